@@ -1,0 +1,41 @@
+"""Shared fixtures: the bundled model is loaded once per test session (it takes ~0.2 s once
+kvlib has its converted copy, ~15 s the very first time on a machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvlib
+
+
+@pytest.fixture(scope="session")
+def model_and_tokenizer():
+    from kvlib.models import load_model
+
+    model, tokenizer = load_model(device="cpu")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def model(model_and_tokenizer):
+    return model_and_tokenizer[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_and_tokenizer):
+    return model_and_tokenizer[1]
+
+
+@pytest.fixture(scope="session")
+def eval_ids(tokenizer) -> torch.Tensor:
+    """(1, 2048) token ids of real English from the offline evaluation text."""
+    text = kvlib.data.load_eval_text()
+    ids = tokenizer(text[:40_000], return_tensors="pt").input_ids
+    assert ids.shape[1] >= 2048
+    return ids[:, :2048]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    kvlib.seed_everything(0)

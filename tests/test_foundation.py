@@ -1,0 +1,106 @@
+"""kvlib.device, kvlib.data and kvlib.models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvlib
+from kvlib.data import load_eval_text, split_text
+from kvlib.device import get_device, seed_everything
+from kvlib.models import BUNDLED_GGUF, ModelNotAvailableError, bundled_model_path, describe, load_model
+
+
+def test_import_from_any_folder(tmp_path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "import kvlib; print(kvlib.__version__)"],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == kvlib.__version__
+
+
+def test_get_device_defaults_and_override(monkeypatch) -> None:
+    monkeypatch.delenv("KVLIB_DEVICE", raising=False)
+    assert get_device().type in {"cpu", "cuda", "mps"}
+    assert get_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("KVLIB_DEVICE", "cpu")
+    assert get_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("bad", ["tpu", "gpu0", "not a device"])
+def test_get_device_rejects_unknown(bad) -> None:
+    with pytest.raises(ValueError, match="unknown device"):
+        get_device(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_get_device_cuda_unavailable() -> None:
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        get_device("cuda")
+
+
+def test_seed_everything_is_reproducible() -> None:
+    seed_everything(123)
+    a = torch.randn(5)
+    seed_everything(123)
+    assert torch.equal(a, torch.randn(5))
+    with pytest.raises(ValueError, match="non-negative"):
+        seed_everything(-1)
+
+
+def test_eval_text_is_real_and_deterministic() -> None:
+    text = load_eval_text()
+    assert len(text) > 200_000
+    assert text == load_eval_text()
+    assert "assert" in text[:500]
+    assert load_eval_text(max_chars=100) == text[:100]
+    with pytest.raises(ValueError):
+        load_eval_text(max_chars=0)
+
+
+def test_split_text_disjoint() -> None:
+    text = load_eval_text()
+    calib, held_out = split_text(text, 0.5)
+    assert calib and held_out
+    assert len(calib) + len(held_out) <= len(text)
+    assert held_out[:200] not in calib
+    with pytest.raises(ValueError):
+        split_text(text, 1.5)
+
+
+def test_bundled_model_file_found() -> None:
+    path = bundled_model_path()
+    assert path.name == BUNDLED_GGUF and path.stat().st_size > 50_000_000
+
+
+def test_bundled_model_architecture(model) -> None:
+    info = describe(model)
+    assert (info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (30, 9, 3, 64)
+    assert info["dtype"] == "float32"
+
+
+def test_bundled_model_generates_sensible_text(model, tokenizer) -> None:
+    ids = tokenizer("The capital of France is", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    text = tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in text
+
+
+def test_load_model_is_quiet(capfd) -> None:
+    load_model(device="cpu")
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+def test_unreachable_hub_id_names_offline_default(monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotAvailableError, match="bundled offline default"):
+        load_model("some-org/definitely-not-a-model-kvlib")
+
+
+def test_load_model_rejects_bad_dtype() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(dtype="int8")
