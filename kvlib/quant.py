@@ -1,0 +1,469 @@
+"""Integer quantization of KV-cache tensors with real bit-packing (int8 / int4 / int3 / int2).
+
+Introduced in notebooks 02 (int8) and 03 (int4, int3, int2, groups, Hadamard rotation).
+
+Tensors follow the transformers convention ``(batch, kv_heads, seq_len, head_dim)``.
+:func:`quantize` reduces its min/max (or absmax) statistics over ONE axis:
+
+* ``axis=-1`` (head_dim): **per-token** statistics — one scale per (batch, head, token);
+* ``axis=-2`` (seq_len): **per-channel** statistics — one scale per (batch, head, channel);
+* ``group_size=g`` splits the reduced axis into groups of ``g`` consecutive elements, each
+  group with its own scale (and zero point).
+
+Asymmetric (default) maps ``[min, max]`` of each group onto the codes ``0 .. 2**bits - 1`` and
+keeps a scale and an offset (the group's minimum, i.e. the zero point) per group; symmetric maps
+``[-absmax, absmax]`` onto ``-(2**(bits-1) - 1) .. 2**(bits-1) - 1`` and keeps one scale per group.
+
+Storage is real: codes are bit-packed into ``uint8`` (:func:`pack`), and
+:attr:`QuantizedTensor.nbytes` counts the packed codes plus every scale and offset kept, in the
+dtype they are kept in. Scales and offsets are kept in **float16** by default (half the metadata
+of float32). Where float16 cannot hold a tensor's statistics faithfully — it would overflow or
+underflow, widen a group's step by more than ``2**-6`` of itself, or break exact reconstruction of a
+constant group — the whole tensor keeps them in float32 instead (``QuantizedTensor.scale_dtype``
+says which; ``nbytes`` counts it).
+
+Guarantee (property-tested): every element of ``quantize(x, ...).dequantize()`` is within half a
+quantization step of ``x`` (the step of its group, at most ``1 + 2**-6`` times the ideal
+``(max - min) / (2**bits - 1)``), plus the rounding of the output dtype; constant groups
+reconstruct exactly. Codes are computed with the stored (rounded) scale, which is what makes the
+bound hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "QuantizedTensor",
+    "quantize",
+    "pack",
+    "unpack",
+    "packed_nbytes",
+    "hadamard",
+]
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# float16 metadata may widen a group's step by at most this fraction before we fall back to fp32.
+_MAX_STEP_INFLATION = 2.0**-6
+
+
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int, one of 2, 3, 4, 8 (got {bits!r})")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of 2, 3, 4, 8 (got {bits})")
+    return bits
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that :func:`pack` uses for ``n`` codes of ``bits`` bits (padding included)."""
+    bits = _check_bits(bits)
+    if bits == 3:
+        return 3 * math.ceil(n / 8)
+    return math.ceil(n * bits / 8)
+
+
+# ---------------------------------------------------------------- bit-packing
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer ``codes`` (any shape, values in ``0 .. 2**bits - 1``) into a 1-D uint8 tensor.
+
+    Codes are taken in row-major (flattened) order. Layout, little-end first:
+
+    * 8 bits: one code per byte;
+    * 4 bits: two codes per byte, code ``2i`` in the low nibble, ``2i+1`` in the high nibble;
+    * 2 bits: four codes per byte, code ``4i + j`` in bits ``2j .. 2j+1``;
+    * 3 bits: eight codes in three bytes, code ``8i + j`` in bits ``3j .. 3j+2`` of the 24-bit
+      little-endian word made of bytes ``3i, 3i+1, 3i+2``.
+
+    The tail is zero-padded to a whole byte (whole 3-byte word for 3 bits); :func:`unpack` needs
+    the code count ``n`` to drop the padding.
+    """
+    bits = _check_bits(bits)
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes must be a torch.Tensor (got {type(codes).__name__})")
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer tensor (got {codes.dtype})")
+    flat = codes.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) > (1 << bits) - 1):
+        raise ValueError(
+            f"codes must lie in 0..{(1 << bits) - 1} for bits={bits} "
+            f"(got values in {int(flat.min())}..{int(flat.max())})"
+        )
+    flat = flat.to(torch.uint8)
+    if bits == 8:
+        return flat.clone()
+    per = 8 if bits == 3 else 8 // bits
+    pad = (-flat.numel()) % per
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    if bits == 4:
+        c = flat.view(-1, 2)
+        return c[:, 0] | (c[:, 1] << 4)
+    if bits == 2:
+        c = flat.view(-1, 4)
+        return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+    # bits == 3: eight 3-bit codes -> one 24-bit word -> three bytes
+    c = flat.view(-1, 8).to(torch.int32)
+    shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=flat.device)
+    word = (c << shifts).sum(dim=1, dtype=torch.int32)
+    byte_shifts = torch.tensor([0, 8, 16], dtype=torch.int32, device=flat.device)
+    return ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: the first ``n`` codes as a 1-D uint8 tensor."""
+    bits = _check_bits(bits)
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"packed must be a torch.Tensor (got {type(packed).__name__})")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be a uint8 tensor (got {packed.dtype})")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int (got {n!r})")
+    need = packed_nbytes(n, bits)
+    p = packed.reshape(-1)
+    if p.numel() < need:
+        raise ValueError(f"{n} codes of {bits} bits need {need} bytes (got {p.numel()})")
+    p = p[:need]
+    if bits == 8:
+        return p
+    if bits == 4:
+        out = torch.stack([p & 0x0F, p >> 4], dim=-1)
+    elif bits == 2:
+        out = torch.stack([p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6], dim=-1)
+    else:
+        b = p.view(-1, 3).to(torch.int32)
+        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=p.device)
+        out = ((word[:, None] >> shifts) & 7).to(torch.uint8)
+    out = out.reshape(-1)
+    return out if out.numel() == n else out[:n]
+
+
+# ---------------------------------------------------------------- quantized tensor
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized tensor: bit-packed codes plus per-group scale (and offset).
+
+    ``packed`` holds the codes of the original tensor in its row-major order. With the original
+    shape written ``pre + (L,) + post`` (``L`` the length of the reduced ``axis``) and
+    ``G = L // group_size`` groups, ``scale`` and ``offset`` have shape
+    ``pre + (G, 1) + post``; asymmetric dequantization is ``offset + code * scale``, symmetric is
+    ``(code - qmax) / qmax * scale`` with ``scale`` the group's absmax (so ``±absmax`` are exact).
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    bits: int
+    shape: torch.Size
+    dtype: torch.dtype
+    axis: int
+    group_size: int
+    symmetric: bool
+
+    # -- sizes
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype the scales (and offsets) are kept in: float16, or float32 as a fallback."""
+        return self.scale.dtype
+
+    @property
+    def code_nbytes(self) -> int:
+        """Bytes of the packed codes alone."""
+        return self.packed.numel() * self.packed.element_size()
+
+    @property
+    def metadata_nbytes(self) -> int:
+        """Bytes of every scale and offset kept."""
+        n = self.scale.numel() * self.scale.element_size()
+        if self.offset is not None:
+            n += self.offset.numel() * self.offset.element_size()
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Real storage: packed codes + every scale and offset, in their stored dtype."""
+        return self.code_nbytes + self.metadata_nbytes
+
+    @property
+    def bits_per_element(self) -> float:
+        """``8 * nbytes / numel`` — the bits each element really costs, metadata included."""
+        return 8 * self.nbytes / self.numel
+
+    def compression_ratio(self, reference_bits: int = 16) -> float:
+        """Size of the tensor at ``reference_bits`` per element divided by :attr:`nbytes`."""
+        if reference_bits <= 0:
+            raise ValueError(f"reference_bits must be positive (got {reference_bits})")
+        return self.numel * reference_bits / 8 / self.nbytes
+
+    # -- movement
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        """A copy on ``device`` (codes and metadata move together)."""
+        return replace(
+            self,
+            packed=self.packed.to(device),
+            scale=self.scale.to(device),
+            offset=None if self.offset is None else self.offset.to(device),
+        )
+
+    # -- decoding
+    def codes(self) -> torch.Tensor:
+        """The unpacked integer codes (uint8) in the original shape."""
+        return unpack(self.packed, self.bits, self.numel).view(self.shape)
+
+    def step(self) -> torch.Tensor:
+        """The quantization step of each group, shape ``pre + (G, 1) + post`` (float32)."""
+        if self.symmetric:
+            return self.scale.float() / _sym_qmax(self.bits)
+        return self.scale.float()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Reconstruct the tensor, original shape, in ``dtype`` (default: the original dtype)."""
+        dtype = self.dtype if dtype is None else dtype
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point dtype (got {dtype})")
+        work = torch.float64 if dtype == torch.float64 or self.dtype == torch.float64 else None
+        work = work or torch.float32
+        codes = unpack(self.packed, self.bits, self.numel)
+        grouped = self._grouped_shape()
+        vals = codes.view(grouped).to(work)
+        scale = self.scale.to(work)
+        if self.symmetric:
+            q = _sym_qmax(self.bits)
+            vals.sub_(q).div_(q).mul_(scale)
+        else:
+            vals.mul_(scale).add_(self.offset.to(work))
+        out = vals.view(self.shape)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def _grouped_shape(self) -> tuple[int, ...]:
+        s = tuple(self.shape)
+        a = self.axis
+        return s[:a] + (s[a] // self.group_size, self.group_size) + s[a + 1 :]
+
+
+def _sym_qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def _normalize_axis(axis: object, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis must be an int (got {axis!r})")
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"axis {axis} is out of range for a tensor with {ndim} dimensions "
+            f"(accepted: {-ndim}..{ndim - 1})"
+        )
+    return axis % ndim
+
+
+def _check_input(x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor (got {type(x).__name__})")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"x must be a floating-point tensor (float32, float16, bfloat16 or float64), "
+            f"got {x.dtype}"
+        )
+    if x.ndim == 0:
+        raise ValueError("x must have at least one dimension (got a 0-d tensor)")
+    if x.numel() == 0:
+        raise ValueError(f"x must not be empty (got shape {tuple(x.shape)})")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or Inf; only finite values can be quantized")
+    return x
+
+
+def _round_up_fp16(v: torch.Tensor) -> torch.Tensor:
+    """Smallest float16 >= v (v float32, non-negative); inf where it overflows."""
+    h = v.to(torch.float16)
+    low = h.float() < v
+    return torch.where(low, torch.nextafter(h, torch.full_like(h, math.inf)), h)
+
+
+def _round_down_fp16(v: torch.Tensor) -> torch.Tensor:
+    """Largest float16 <= v (v float32); -inf where it overflows."""
+    h = v.to(torch.float16)
+    high = h.float() > v
+    return torch.where(high, torch.nextafter(h, torch.full_like(h, -math.inf)), h)
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    axis: int = -1,
+    group_size: int | None = None,
+    symmetric: bool = False,
+    *,
+    scale_dtype: torch.dtype = torch.float16,
+) -> QuantizedTensor:
+    """Quantize ``x`` to ``bits`` bits with statistics reduced over ``axis``.
+
+    Args:
+        x: floating tensor, any shape; for the KV cache ``(batch, kv_heads, seq_len, head_dim)``.
+        bits: 2, 3, 4 or 8.
+        axis: the axis min/max (or absmax) is reduced over: ``-1`` per-token, ``-2``
+            per-channel for a KV tensor. Statistics are never mixed across the other axes
+            (heads, layers, batch stay separate).
+        group_size: split ``axis`` into groups of this many consecutive elements, each with its
+            own scale/offset (``None``: the whole axis is one group). Must divide its length.
+        symmetric: absmax scaling, no offset (one scale per group) instead of min/max + offset.
+        scale_dtype: float16 (default; falls back to float32 per tensor where float16 can't hold
+            the statistics faithfully, see the module docstring) or float32.
+
+    Returns:
+        A :class:`QuantizedTensor`; ``.dequantize()`` gives back the original shape and dtype.
+    """
+    bits = _check_bits(bits)
+    x = _check_input(x)
+    ax = _normalize_axis(axis, x.ndim)
+    length = x.shape[ax]
+    if group_size is None:
+        gs = length
+    else:
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise TypeError(f"group_size must be an int or None (got {group_size!r})")
+        if group_size <= 0 or length % group_size:
+            divisors = [d for d in range(1, length + 1) if length % d == 0]
+            shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+            raise ValueError(
+                f"group_size {group_size} does not divide axis {axis} of length {length} "
+                f"(accepted: {shown})"
+            )
+        gs = group_size
+    if scale_dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"scale_dtype must be torch.float16 or torch.float32 (got {scale_dtype})")
+
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    shape = tuple(x.shape)
+    grouped = shape[:ax] + (length // gs, gs) + shape[ax + 1 :]
+    xg = x.reshape(grouped)
+    red = ax + 1  # the within-group dimension of the grouped view
+    if symmetric:
+        scale, codes = _quantize_symmetric(xg, bits, red, work, scale_dtype)
+        offset = None
+    else:
+        scale, offset, codes = _quantize_asymmetric(xg, bits, red, work, scale_dtype)
+    return QuantizedTensor(
+        packed=pack_uint8(codes, bits),
+        scale=scale,
+        offset=offset,
+        bits=bits,
+        shape=x.shape,
+        dtype=x.dtype,
+        axis=ax,
+        group_size=gs,
+        symmetric=symmetric,
+    )
+
+
+def pack_uint8(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack` for uint8 codes already known to be in range (no checks, no copy at 8 bits)."""
+    flat = codes.reshape(-1)
+    if bits == 8:
+        return flat
+    per = 8 if bits == 3 else 8 // bits
+    if flat.numel() % per:
+        flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % per)])
+    if bits == 4:
+        c = flat.view(-1, 2)
+        return c[:, 0] | (c[:, 1] << 4)
+    if bits == 2:
+        c = flat.view(-1, 4)
+        return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+    return pack(flat, 3)
+
+
+def _quantize_asymmetric(xg, bits, red, work, scale_dtype):
+    qmax = (1 << bits) - 1
+    mn = xg.amin(dim=red, keepdim=True).to(work)
+    mx = xg.amax(dim=red, keepdim=True).to(work)
+    ideal = (mx - mn) / qmax
+    if not bool(torch.isfinite(ideal).all()):
+        raise ValueError("the range max - min of a group overflows; values too large to quantize")
+    offset = scale = None
+    if scale_dtype == torch.float16 and work == torch.float32:
+        off16 = _round_down_fp16(mn)
+        s16 = _round_up_fp16((mx - off16.float()) / qmax)
+        s16f, off16f = s16.float(), off16.float()
+        ok = (
+            torch.isfinite(off16f).all()
+            and torch.isfinite(s16f).all()
+            and (off16f + qmax * s16f >= mx).all()
+            and (s16f <= ideal * (1 + _MAX_STEP_INFLATION)).all()
+        )
+        if bool(ok):
+            scale, offset = s16, off16
+    if scale is None:
+        scale, offset = ideal, mn
+        if work == torch.float32:
+            scale, offset = scale.float(), offset.float()
+    s = scale.to(work)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = (xg.to(work) - offset.to(work)).mul_(inv).round_().clamp_(0, qmax)
+    return scale, offset, q.to(torch.uint8)
+
+
+def _quantize_symmetric(xg, bits, red, work, scale_dtype):
+    qmax = _sym_qmax(bits)
+    amax = xg.abs().amax(dim=red, keepdim=True).to(work)
+    scale = None
+    if scale_dtype == torch.float16 and work == torch.float32:
+        a16 = _round_up_fp16(amax)
+        a16f = a16.float()
+        mn = xg.amin(dim=red, keepdim=True).to(work)
+        mx = xg.amax(dim=red, keepdim=True).to(work)
+        const = mn == mx
+        ok = (
+            torch.isfinite(a16f).all()
+            and (a16f <= amax * (1 + _MAX_STEP_INFLATION)).all()
+            and (~const | (a16f == amax)).all()
+        )
+        if bool(ok):
+            scale = a16
+    if scale is None:
+        scale = amax.float() if work == torch.float32 else amax
+    step = scale.to(work) / qmax
+    inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    q = (xg.to(work) * inv).round_().clamp_(-qmax, qmax).add_(qmax)
+    return scale, q.to(torch.uint8)
+
+
+# ---------------------------------------------------------------- rotation
+
+
+def hadamard(
+    n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Orthonormal ``(n, n)`` Hadamard matrix (Sylvester construction), ``H @ H.T == I``.
+
+    Rotating head_dim with it (``x @ H``) before quantizing spreads an outlier channel over all
+    channels; ``x_hat @ H.T`` rotates back. ``n`` must be a power of two.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int (got {n!r})")
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n must be a power of two (got {n})")
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype (got {dtype})")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
