@@ -1,0 +1,151 @@
+"""Capturing a model's queries, keys and values, and measuring attention-output error.
+
+Introduced in notebook 02; reused wherever a compression of the cache is judged by what attention
+actually computes from it.
+
+Shapes follow transformers: queries ``(batch, heads, seq_len, head_dim)``, keys and values
+``(batch, kv_heads, seq_len, head_dim)``; with grouped-query attention each KV head serves
+``heads // kv_heads`` consecutive query heads. Keys and queries are captured *after* RoPE,
+exactly what the KV cache stores and what attention multiplies.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LayerQKV", "capture_qkv", "capture_kv", "attention_output", "attention_output_error"]
+
+
+@dataclass(frozen=True)
+class LayerQKV:
+    """One layer's post-RoPE queries ``(b, heads, s, d)``, keys and values ``(b, kv_heads, s, d)``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    mods = [
+        m
+        for m in model.modules()
+        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "head_dim"))
+    ]
+    if not mods:
+        raise TypeError(
+            f"{type(model).__name__} has no Llama-style attention modules (q_proj/k_proj/v_proj); "
+            "capture supports Llama-architecture models (Llama, SmolLM, Qwen2, Mistral, ...)"
+        )
+    return mods
+
+
+@torch.no_grad()
+def capture_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> list[LayerQKV]:
+    """Run ``model`` on ``input_ids`` ``(batch, seq_len)`` once and return every layer's q, k, v.
+
+    Forward pre-hooks on the attention modules recompute the projections and RoPE from the
+    module's own inputs (the same code path as transformers' ``LlamaAttention.forward``), so
+    nothing in the model is changed. Tensors are returned in float32 on the model's device.
+    """
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.ndim != 2
+        or input_ids.dtype.is_floating_point
+    ):
+        raise ValueError("input_ids must be an integer tensor of shape (batch, seq_len)")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids must hold at least one token")
+    mods = _attention_modules(model)
+    out: dict[int, LayerQKV] = {}
+
+    def make_hook(idx: int):
+        def hook(module, args, kwargs):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            shape = (*h.shape[:-1], -1, module.head_dim)
+            q = module.q_proj(h).view(shape).transpose(1, 2)
+            k = module.k_proj(h).view(shape).transpose(1, 2)
+            v = module.v_proj(h).view(shape).transpose(1, 2)
+            rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+            q, k = rope(q, k, cos, sin)
+            out[idx] = LayerQKV(
+                q.float().contiguous(), k.float().contiguous(), v.float().contiguous()
+            )
+
+        return hook
+
+    handles = [
+        m.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, m in enumerate(mods)
+    ]
+    try:
+        model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [out[i] for i in range(len(mods))]
+
+
+def capture_kv(
+    model: torch.nn.Module, input_ids: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's ``(keys, values)``, each ``(batch, kv_heads, seq_len, head_dim)`` float32."""
+    return [(layer.k, layer.v) for layer in capture_qkv(model, input_ids)]
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            raise ValueError(f"{name} must be a 4-d tensor (batch, heads, seq_len, head_dim)")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape (got {tuple(k.shape)} and {tuple(v.shape)})"
+        )
+    b, h, sq, d = q.shape
+    if (k.shape[0], k.shape[3]) != (b, d) or h % k.shape[1]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match: batch and head_dim must agree "
+            "and query heads must be a multiple of kv heads"
+        )
+    if sq > k.shape[2]:
+        raise ValueError(f"more queries ({sq}) than keys ({k.shape[2]})")
+    return h // k.shape[1]
+
+
+def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal ``softmax(q kᵀ / √d) v`` with grouped-query head repetition, float32.
+
+    ``q`` ``(b, heads, s_q, d)`` are the LAST ``s_q`` positions of the ``s_k`` keys/values
+    ``(b, kv_heads, s_k, d)`` (``s_q == s_k`` for a prefill, ``s_q < s_k`` for decode-style
+    queries against a longer cache). Returns ``(b, heads, s_q, d)``.
+    """
+    rep = _check_qkv(q, k, v)
+    sq, sk = q.shape[2], k.shape[2]
+    k = k.float().repeat_interleave(rep, dim=1)
+    v = v.float().repeat_interleave(rep, dim=1)
+    pos_q = torch.arange(sk - sq, sk, device=q.device)[:, None]
+    mask = torch.arange(sk, device=q.device)[None, :] <= pos_q
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask)
+
+
+def attention_output_error(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor
+) -> float:
+    """Relative error ``‖O(q, k̂, v̂) − O(q, k, v)‖ / ‖O(q, k, v)‖`` (Frobenius, all heads and positions).
+
+    ``O`` is :func:`attention_output`; ``k_hat``/``v_hat`` are the reconstructed keys/values, same
+    shape as ``k``/``v``.
+    """
+    if k_hat.shape != k.shape or v_hat.shape != v.shape:
+        raise ValueError(
+            f"k_hat/v_hat must have the shapes of k/v (got {tuple(k_hat.shape)}, {tuple(v_hat.shape)} "
+            f"for {tuple(k.shape)})"
+        )
+    ref = attention_output(q, k, v)
+    approx = attention_output(q, k_hat, v_hat)
+    denom = torch.linalg.vector_norm(ref)
+    if denom == 0:
+        return float(torch.linalg.vector_norm(approx - ref))
+    return float(torch.linalg.vector_norm(approx - ref) / denom)

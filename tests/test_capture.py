@@ -1,0 +1,97 @@
+"""Tests for kvlib.capture: captured q/k/v match the model, attention-output error is honest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlib.capture import attention_output, attention_output_error, capture_kv, capture_qkv
+
+
+def _reference_attention(q, k, v):
+    """Plain loop over heads: causal softmax(q kᵀ/√d) v, query head h uses kv head h // rep."""
+    rep = q.shape[1] // k.shape[1]
+    sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
+    outs = []
+    for h in range(q.shape[1]):
+        s = q[:, h] @ k[:, h // rep].transpose(-1, -2) / d**0.5
+        future = torch.arange(sk)[None, :] > torch.arange(sk - sq, sk)[:, None]
+        s = s.masked_fill(future, float("-inf"))
+        outs.append(torch.softmax(s, -1) @ v[:, h // rep])
+    return torch.stack(outs, 1)
+
+
+def test_attention_output_matches_reference_gqa_and_decode():
+    q, k, v = torch.randn(2, 6, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    full = attention_output(q, k, v)
+    assert torch.allclose(full, _reference_attention(q, k, v), atol=1e-5)
+    last = attention_output(q[:, :, -3:], k, v)  # decode-style: last 3 queries vs all keys
+    assert torch.allclose(last, full[:, :, -3:], atol=1e-5)
+
+
+def test_attention_output_error_basic():
+    q, k, v = torch.randn(1, 3, 16, 8), torch.randn(1, 1, 16, 8), torch.randn(1, 1, 16, 8)
+    assert attention_output_error(q, k, v, k, v) == 0.0
+    e_small = attention_output_error(q, k, v, k, v + 0.01 * torch.randn_like(v))
+    e_big = attention_output_error(q, k, v, k, v + 0.1 * torch.randn_like(v))
+    assert 0 < e_small < e_big
+    # a value error only on the newest token cannot reach the first query (causal mask)
+    v2 = v.clone()
+    v2[:, :, -1] += 1.0
+    changed = attention_output(q, k, v2) != attention_output(q, k, v)
+    assert not bool(changed[:, :, :-1].any()) and bool(changed[:, :, -1].all())
+
+
+@pytest.mark.parametrize(
+    "shapes, msg",
+    [
+        (((1, 3, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), "multiple of kv heads"),
+        (((1, 2, 5, 8), (1, 1, 4, 8), (1, 1, 4, 8)), "more queries"),
+        (((1, 2, 4, 8), (1, 1, 4, 8), (1, 1, 3, 8)), "same shape"),
+        (((2, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8)), "4-d"),
+    ],
+)
+def test_attention_output_bad_shapes(shapes, msg):
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(ValueError, match=msg):
+        attention_output(q, k, v)
+
+
+def test_capture_matches_model_cache_and_attention(model, eval_ids):
+    ids = eval_ids[:, :48]
+    layers = capture_qkv(model, ids)
+    cfg = model.config
+    assert len(layers) == cfg.num_hidden_layers
+    assert layers[0].q.shape == (1, cfg.num_attention_heads, 48, 64)
+    assert layers[0].k.shape == (1, cfg.num_key_value_heads, 48, 64)
+
+    # keys/values equal what transformers puts in its own cache
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    for i in (0, 7, cfg.num_hidden_layers - 1):
+        assert torch.allclose(layers[i].k, cache.layers[i].keys, atol=1e-5)
+        assert torch.allclose(layers[i].v, cache.layers[i].values, atol=1e-5)
+
+    # attention over the captured q/k/v equals the model's attention output (input of o_proj)
+    seen = {}
+    attn = model.model.layers[3].self_attn
+    handle = attn.o_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    mine = (
+        attention_output(layers[3].q, layers[3].k, layers[3].v).transpose(1, 2).reshape(1, 48, -1)
+    )
+    assert torch.allclose(mine, seen["x"], atol=1e-4)
+
+    kv = capture_kv(model, ids)
+    assert torch.equal(kv[5][0], layers[5].k) and torch.equal(kv[5][1], layers[5].v)
+
+
+def test_capture_rejects_bad_ids(model):
+    with pytest.raises(ValueError, match="batch, seq_len"):
+        capture_qkv(model, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(TypeError, match="Llama-style"):
+        capture_qkv(torch.nn.Linear(2, 2), torch.zeros(1, 3, dtype=torch.long))
