@@ -97,24 +97,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
             f"(got values in {int(flat.min())}..{int(flat.max())})"
         )
     flat = flat.to(torch.uint8)
-    if bits == 8:
-        return flat.clone()
-    per = 8 if bits == 3 else 8 // bits
-    pad = (-flat.numel()) % per
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    if bits == 4:
-        c = flat.view(-1, 2)
-        return c[:, 0] | (c[:, 1] << 4)
-    if bits == 2:
-        c = flat.view(-1, 4)
-        return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
-    # bits == 3: eight 3-bit codes -> one 24-bit word -> three bytes
-    c = flat.view(-1, 8).to(torch.int32)
-    shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=flat.device)
-    word = (c << shifts).sum(dim=1, dtype=torch.int32)
-    byte_shifts = torch.tensor([0, 8, 16], dtype=torch.int32, device=flat.device)
-    return ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    return pack_uint8(flat.clone() if bits == 8 else flat, bits)
 
 
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -133,16 +116,31 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     p = p[:need]
     if bits == 8:
         return p
+    # Each code position is written straight into a strided column of the output by one
+    # elementwise uint8 kernel: no stack/cat, no wide intermediates.
     if bits == 4:
-        out = torch.stack([p & 0x0F, p >> 4], dim=-1)
+        out = torch.empty(need, 2, dtype=torch.uint8, device=p.device)
+        torch.bitwise_and(p, 0x0F, out=out[:, 0])
+        torch.bitwise_right_shift(p, 4, out=out[:, 1])
     elif bits == 2:
-        out = torch.stack([p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6], dim=-1)
+        out = torch.empty(need, 4, dtype=torch.uint8, device=p.device)
+        torch.bitwise_and(p, 3, out=out[:, 0])
+        torch.bitwise_and(p >> 2, 3, out=out[:, 1])
+        torch.bitwise_and(p >> 4, 3, out=out[:, 2])
+        torch.bitwise_right_shift(p, 6, out=out[:, 3])
     else:
-        b = p.view(-1, 3).to(torch.int32)
-        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=p.device)
-        out = ((word[:, None] >> shifts) & 7).to(torch.uint8)
-    out = out.reshape(-1)
+        b = p.view(-1, 3)
+        b0, b1, b2 = b[:, 0], b[:, 1], b[:, 2]
+        out = torch.empty(b.shape[0], 8, dtype=torch.uint8, device=p.device)
+        torch.bitwise_and(b0, 7, out=out[:, 0])
+        torch.bitwise_and(b0 >> 3, 7, out=out[:, 1])
+        torch.bitwise_or(b0 >> 6, (b1 & 1) << 2, out=out[:, 2])
+        torch.bitwise_and(b1 >> 1, 7, out=out[:, 3])
+        torch.bitwise_and(b1 >> 4, 7, out=out[:, 4])
+        torch.bitwise_or(b1 >> 7, (b2 & 3) << 1, out=out[:, 5])
+        torch.bitwise_and(b2 >> 2, 7, out=out[:, 6])
+        torch.bitwise_right_shift(b2, 5, out=out[:, 7])
+    out = out.view(-1)
     return out if out.numel() == n else out[:n]
 
 
@@ -286,8 +284,6 @@ def _check_input(x: object) -> torch.Tensor:
         raise ValueError("x must have at least one dimension (got a 0-d tensor)")
     if x.numel() == 0:
         raise ValueError(f"x must not be empty (got shape {tuple(x.shape)})")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("x contains NaN or Inf; only finite values can be quantized")
     return x
 
 
@@ -356,11 +352,33 @@ def quantize(
     grouped = shape[:ax] + (length // gs, gs) + shape[ax + 1 :]
     xg = x.reshape(grouped)
     red = ax + 1  # the within-group dimension of the grouped view
+    # one pass for both statistics; NaN propagates into them and Inf shows, so checking the
+    # (small) statistics replaces a full isfinite pass over x
+    mn, mx = torch.aminmax(xg, dim=red, keepdim=True)
+    stat_shape = mn.shape
+    # statistics are handled flat: torch's CPU kernels are much slower on shapes with
+    # trailing size-1 dims
+    mn, mx = mn.reshape(-1).to(work), mx.reshape(-1).to(work)
+    if not bool(torch.isfinite((mx - mn).amax())):
+        if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
+            raise ValueError("x contains NaN or Inf; only finite values can be quantized")
+        raise ValueError("the range max - min of a group overflows; values too large to quantize")
     if symmetric:
-        scale, codes = _quantize_symmetric(xg, bits, red, work, scale_dtype)
+        scale = _symmetric_scale(mn, mx, bits, work, scale_dtype)
         offset = None
+        step = scale.to(work) / _sym_qmax(bits)
+        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step)).view(stat_shape)
+        q = (xg.to(work) * inv).round_().clamp_(-_sym_qmax(bits), _sym_qmax(bits))
+        q.add_(_sym_qmax(bits))
     else:
-        scale, offset, codes = _quantize_asymmetric(xg, bits, red, work, scale_dtype)
+        scale, offset = _asymmetric_scale(mn, mx, bits, work, scale_dtype)
+        s = scale.to(work)
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s)).view(stat_shape)
+        q = (xg.to(work) - offset.to(work).view(stat_shape)).mul_(inv)
+        q.round_().clamp_(0, (1 << bits) - 1)
+        offset = offset.view(stat_shape)
+    scale = scale.view(stat_shape)
+    codes = q.to(torch.uint8)
     return QuantizedTensor(
         packed=pack_uint8(codes, bits),
         scale=scale,
@@ -382,68 +400,54 @@ def pack_uint8(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 if bits == 3 else 8 // bits
     if flat.numel() % per:
         flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % per)])
+    c = flat.view(-1, per)
     if bits == 4:
-        c = flat.view(-1, 2)
         return c[:, 0] | (c[:, 1] << 4)
     if bits == 2:
-        c = flat.view(-1, 4)
         return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
-    return pack(flat, 3)
+    # bits == 3: codes 0..7 of a word -> bits 0..23 of bytes b0, b1, b2 (little-endian)
+    out = torch.empty(c.shape[0], 3, dtype=torch.uint8, device=c.device)
+    torch.bitwise_or(c[:, 0] | (c[:, 1] << 3), (c[:, 2] & 3) << 6, out=out[:, 0])
+    torch.bitwise_or(
+        (c[:, 2] >> 2) | (c[:, 3] << 1) | (c[:, 4] << 4), (c[:, 5] & 1) << 7, out=out[:, 1]
+    )
+    torch.bitwise_or((c[:, 5] >> 1) | (c[:, 6] << 2), c[:, 7] << 5, out=out[:, 2])
+    return out.view(-1)
 
 
-def _quantize_asymmetric(xg, bits, red, work, scale_dtype):
+def _asymmetric_scale(mn, mx, bits, work, scale_dtype):
+    """Per-group (scale, offset), flat; offset <= min and offset + qmax * scale >= max."""
     qmax = (1 << bits) - 1
-    mn = xg.amin(dim=red, keepdim=True).to(work)
-    mx = xg.amax(dim=red, keepdim=True).to(work)
     ideal = (mx - mn) / qmax
-    if not bool(torch.isfinite(ideal).all()):
-        raise ValueError("the range max - min of a group overflows; values too large to quantize")
-    offset = scale = None
     if scale_dtype == torch.float16 and work == torch.float32:
         off16 = _round_down_fp16(mn)
         s16 = _round_up_fp16((mx - off16.float()) / qmax)
         s16f, off16f = s16.float(), off16.float()
         ok = (
-            torch.isfinite(off16f).all()
-            and torch.isfinite(s16f).all()
-            and (off16f + qmax * s16f >= mx).all()
-            and (s16f <= ideal * (1 + _MAX_STEP_INFLATION)).all()
+            torch.isfinite(off16f)
+            & torch.isfinite(s16f)
+            & (off16f + qmax * s16f >= mx)
+            & (s16f <= ideal * (1 + _MAX_STEP_INFLATION))
         )
-        if bool(ok):
-            scale, offset = s16, off16
-    if scale is None:
-        scale, offset = ideal, mn
-        if work == torch.float32:
-            scale, offset = scale.float(), offset.float()
-    s = scale.to(work)
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    q = (xg.to(work) - offset.to(work)).mul_(inv).round_().clamp_(0, qmax)
-    return scale, offset, q.to(torch.uint8)
+        if bool(ok.all()):
+            return s16, off16
+    return ideal, mn
 
 
-def _quantize_symmetric(xg, bits, red, work, scale_dtype):
-    qmax = _sym_qmax(bits)
-    amax = xg.abs().amax(dim=red, keepdim=True).to(work)
-    scale = None
+def _symmetric_scale(mn, mx, bits, work, scale_dtype):
+    """Per-group absmax, flat (the step is absmax / qmax)."""
+    amax = torch.maximum(-mn, mx)
     if scale_dtype == torch.float16 and work == torch.float32:
         a16 = _round_up_fp16(amax)
         a16f = a16.float()
-        mn = xg.amin(dim=red, keepdim=True).to(work)
-        mx = xg.amax(dim=red, keepdim=True).to(work)
-        const = mn == mx
         ok = (
-            torch.isfinite(a16f).all()
-            and (a16f <= amax * (1 + _MAX_STEP_INFLATION)).all()
-            and (~const | (a16f == amax)).all()
+            torch.isfinite(a16f)
+            & (a16f <= amax * (1 + _MAX_STEP_INFLATION))
+            & ((mn != mx) | (a16f == amax))  # constant groups must stay exact
         )
-        if bool(ok):
-            scale = a16
-    if scale is None:
-        scale = amax.float() if work == torch.float32 else amax
-    step = scale.to(work) / qmax
-    inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-    q = (xg.to(work) * inv).round_().clamp_(-qmax, qmax).add_(qmax)
-    return scale, q.to(torch.uint8)
+        if bool(ok.all()):
+            return a16
+    return amax
 
 
 # ---------------------------------------------------------------- rotation
