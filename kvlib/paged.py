@@ -1,0 +1,740 @@
+"""PagedAttention from first principles: block allocator, paged KV cache, paged attention (notebook 06).
+
+A contiguous KV cache reserves one ``(kv_heads, max_len, head_dim)`` buffer per request, and a
+request that stops early leaves most of it unused. Paging (Kwon et al., *Efficient Memory
+Management for Large Language Model Serving with PagedAttention*, SOSP 2023 — the vLLM paper)
+splits the cache into fixed-size **blocks** of ``block_size`` tokens drawn from one preallocated
+pool; a per-sequence **block table** maps logical block ``i`` of a sequence to a physical block.
+Only the last block of a sequence can be partly empty, and blocks can be shared between
+sequences (reference counts; copy-on-write when a shared, partly filled block is written).
+
+* :class:`BlockAllocator` — free list, reference counts, per-sequence block tables, ``fork`` and
+  copy-on-write; :class:`OutOfBlocks` when the pool is exhausted (nothing is half-allocated).
+* :class:`PagedKVCache` — one K and one V pool per layer, shaped
+  ``(num_blocks, kv_heads, block_size, head_dim)``, addressed through the allocator.
+* :func:`paged_attention` — one decode step for a batch of sequences of different lengths,
+  reading keys and values through their block tables (vectorised gather, masked tail, GQA).
+* :class:`PagedCache` / :class:`PagedCacheLayer` — a transformers ``Cache`` backed by the pool,
+  so ``model.generate(..., cache=PagedCache(model.config, num_blocks=...))`` runs on it.
+
+The serving simulation (:func:`simulate_serving`, :func:`make_trace`, :class:`ServingStats`) lives
+in :mod:`kvlib.serving` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = [
+    "POLICIES",
+    "Appended",
+    "BlockAllocator",
+    "OutOfBlocks",
+    "PagedCache",
+    "PagedCacheLayer",
+    "PagedKVCache",
+    "ParallelSampling",
+    "Request",
+    "ServingStats",
+    "blocks_needed",
+    "dense_attention",
+    "make_trace",
+    "paged_attention",
+    "parallel_sampling",
+    "simulate_serving",
+]
+
+
+class OutOfBlocks(RuntimeError):
+    """The block pool cannot satisfy a request; the allocator state is unchanged.
+
+    A scheduler catches this to preempt a sequence (free its blocks and recompute it later).
+
+    Attributes:
+        requested: blocks the operation needed.
+        available: free blocks at the time.
+    """
+
+    def __init__(self, requested: int, available: int) -> None:
+        super().__init__(f"out of KV blocks: needed {requested}, {available} free")
+        self.requested = requested
+        self.available = available
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
+    return -(-num_tokens // block_size)
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int (got {type(value).__name__} {value!r})")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int (got {value})")
+    return value
+
+
+@dataclass(frozen=True)
+class Appended:
+    """What :meth:`BlockAllocator.append_slots` did, for the data layer to mirror.
+
+    Attributes:
+        slots: flat slot index ``block * block_size + offset`` for each new token, in order.
+        copies: ``(src_block, dst_block)`` pairs copied on write (copy the data before writing).
+        new_blocks: physical blocks freshly taken from the free list (including copy targets).
+    """
+
+    slots: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...]
+    new_blocks: tuple[int, ...]
+
+
+class BlockAllocator:
+    """Physical block bookkeeping for a paged KV cache (no tensors; see :class:`PagedKVCache`).
+
+    Every block is either on the free list (reference count 0) or referenced by one or more
+    sequences' block tables (reference count = number of tables that hold it). Operations are
+    atomic: an operation that would need more blocks than are free raises :class:`OutOfBlocks`
+    before changing anything.
+
+    Args:
+        num_blocks: size of the pool.
+        block_size: tokens per block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = _check_positive_int("num_blocks", num_blocks)
+        self.block_size = _check_positive_int("block_size", block_size)
+        # Popped from the end: block 0 is handed out first, which makes pictures readable.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._refcount = [0] * num_blocks
+        self._tables: dict[Hashable, list[int]] = {}
+        self._lens: dict[Hashable, int] = {}
+        self.num_cow_copies = 0
+
+    # --- inspection -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def sequences(self) -> list[Hashable]:
+        """Ids of the live sequences, in creation order."""
+        return list(self._tables)
+
+    @property
+    def free_list(self) -> list[int]:
+        """A copy of the free list (next block handed out last)."""
+        return list(self._free)
+
+    def refcount(self, block: int) -> int:
+        """Number of block tables that hold physical block ``block``."""
+        return self._refcount[block]
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's block table (logical block ``i`` → physical block)."""
+        return list(self._tables[self._check_seq(seq_id)])
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        """Tokens the sequence holds."""
+        return self._lens[self._check_seq(seq_id)]
+
+    def last_block(self, seq_id: Hashable) -> int | None:
+        """Physical block holding the sequence's last token (``None`` when it is empty)."""
+        table = self._tables[self._check_seq(seq_id)]
+        return table[-1] if table else None
+
+    def used_tokens(self) -> int:
+        """Distinct tokens stored: shared blocks count once (a shared block is full or identical)."""
+        filled: dict[int, int] = {}
+        for seq_id, table in self._tables.items():
+            n = self._lens[seq_id]
+            for i, block in enumerate(table):
+                filled[block] = max(
+                    filled.get(block, 0), min(self.block_size, n - i * self.block_size)
+                )
+        return sum(filled.values())
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tables
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"used={self.num_used}, sequences={len(self._tables)})"
+        )
+
+    def _check_seq(self, seq_id: Hashable) -> Hashable:
+        if seq_id not in self._tables:
+            raise KeyError(f"unknown sequence {seq_id!r} (live: {list(self._tables)[:8]})")
+        return seq_id
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(n, len(self._free))
+        taken = [self._free.pop() for _ in range(n)]
+        for block in taken:
+            self._refcount[block] = 1
+        return taken
+
+    def _release(self, block: int) -> None:
+        if self._refcount[block] <= 0:  # pragma: no cover - guarded by the invariants
+            raise RuntimeError(
+                f"block {block} released with reference count {self._refcount[block]}"
+            )
+        self._refcount[block] -= 1
+        if self._refcount[block] == 0:
+            self._free.append(block)
+
+    # --- operations -------------------------------------------------------------------------
+    def allocate(self, seq_id: Hashable, num_tokens: int = 0) -> list[int]:
+        """Create sequence ``seq_id`` holding ``num_tokens`` tokens; return its block table.
+
+        Raises:
+            ValueError: ``seq_id`` already exists or ``num_tokens`` is negative.
+            OutOfBlocks: fewer than ``ceil(num_tokens / block_size)`` blocks are free.
+        """
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already exists; free it or pick a new id")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int (got {num_tokens!r})")
+        table = self._take(blocks_needed(num_tokens, self.block_size))
+        self._tables[seq_id] = table
+        self._lens[seq_id] = num_tokens
+        return list(table)
+
+    def append_slots(self, seq_id: Hashable, num_tokens: int = 1) -> Appended:
+        """Make room for ``num_tokens`` more tokens at the end of ``seq_id``.
+
+        New blocks are taken when the last block fills up. If the last block is partly filled
+        and shared with another sequence, it is first copied to a fresh block (copy-on-write),
+        so that writing the new tokens cannot change the other sequence's data.
+
+        Raises:
+            OutOfBlocks: not enough free blocks (the sequence and the pool are unchanged).
+        """
+        self._check_seq(seq_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int (got {num_tokens!r})")
+        table, n, bs = self._tables[seq_id], self._lens[seq_id], self.block_size
+        grow = blocks_needed(n + num_tokens, bs) - len(table)
+        cow = num_tokens > 0 and n % bs != 0 and self._refcount[table[-1]] > 1
+        fresh = self._take(grow + int(cow))  # raises before anything changes
+        copies: list[tuple[int, int]] = []
+        if cow:
+            src, dst = table[-1], fresh[0]
+            self._release(src)
+            table[-1] = dst
+            copies.append((src, dst))
+            self.num_cow_copies += 1
+        table.extend(fresh[int(cow) :])
+        slots = tuple(table[t // bs] * bs + t % bs for t in range(n, n + num_tokens))
+        self._lens[seq_id] = n + num_tokens
+        return Appended(slots=slots, copies=tuple(copies), new_blocks=tuple(fresh))
+
+    def fork(self, parent: Hashable, child: Hashable) -> list[int]:
+        """Create ``child`` sharing every block of ``parent`` (reference counts +1); no copy.
+
+        Raises:
+            KeyError: unknown ``parent``.
+            ValueError: ``child`` already exists.
+        """
+        self._check_seq(parent)
+        if child in self._tables:
+            raise ValueError(f"sequence {child!r} already exists; free it or pick a new id")
+        table = list(self._tables[parent])
+        for block in table:
+            self._refcount[block] += 1
+        self._tables[child] = table
+        self._lens[child] = self._lens[parent]
+        return list(table)
+
+    def free(self, seq_id: Hashable) -> list[int]:
+        """Drop ``seq_id``; blocks no other sequence holds go back to the free list (returned)."""
+        table = self._tables.pop(self._check_seq(seq_id))
+        del self._lens[seq_id]
+        before = len(self._free)
+        for block in reversed(table):
+            self._release(block)
+        return self._free[before:]
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the bookkeeping is inconsistent (used by the tests)."""
+        counts = [0] * self.num_blocks
+        for seq_id, table in self._tables.items():
+            assert len(table) == blocks_needed(self._lens[seq_id], self.block_size), seq_id
+            assert len(set(table)) == len(table), f"{seq_id!r} holds a block twice"
+            for block in table:
+                counts[block] += 1
+        assert counts == self._refcount, "reference counts disagree with the block tables"
+        assert len(set(self._free)) == len(self._free), "a block is on the free list twice"
+        assert all(c >= 0 for c in self._refcount), "negative reference count"
+        free = set(self._free)
+        assert all((c == 0) == (b in free) for b, c in enumerate(counts)), "free list is wrong"
+
+
+class PagedKVCache:
+    """A paged K/V store: per-layer pools addressed through one :class:`BlockAllocator`.
+
+    Pools are ``k_pools[layer]`` / ``v_pools[layer]`` of shape
+    ``(num_blocks, kv_heads, block_size, head_dim)``. All layers share the block tables (as in
+    vLLM): the first layer to append a token reserves its slot, the other layers write into it.
+
+    Args:
+        num_blocks, block_size: pool geometry.
+        kv_heads, head_dim: per-token K/V shape.
+        num_layers: number of layers (pools).
+        dtype, device: of the pools.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        _check_positive_int("kv_heads", kv_heads)
+        _check_positive_int("head_dim", head_dim)
+        _check_positive_int("num_layers", num_layers)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.kv_heads, self.head_dim, self.num_layers = kv_heads, head_dim, num_layers
+        shape = (num_blocks, kv_heads, block_size, head_dim)
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._written: dict[Hashable, list[int]] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all K and V pools (the preallocated memory)."""
+        return sum(p.numel() * p.element_size() for p in (*self.k_pools, *self.v_pools))
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        return self.nbytes // self.num_blocks
+
+    def seq_len(self, seq_id: Hashable, layer: int = 0) -> int:
+        """Tokens written for ``seq_id`` in ``layer``."""
+        if seq_id not in self._written:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return self._written[seq_id][self._check_layer(layer)]
+
+    def _check_layer(self, layer: int) -> int:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}) (got {layer})")
+        return layer
+
+    def _apply_copies(self, copies: Iterable[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            for pool in (*self.k_pools, *self.v_pools):
+                pool[dst].copy_(pool[src])
+
+    def append(self, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> None:
+        """Append ``k``, ``v`` of shape ``(kv_heads, n, head_dim)`` to ``seq_id`` in ``layer``.
+
+        A new ``seq_id`` is created on first use. Raises :class:`OutOfBlocks` (nothing written,
+        nothing allocated) when the pool is full.
+        """
+        self._check_layer(layer)
+        expected = (self.kv_heads, k.shape[-2] if k.dim() == 3 else -1, self.head_dim)
+        if k.dim() != 3 or tuple(k.shape) != expected or k.shape != v.shape:
+            raise ValueError(
+                f"k and v must both have shape (kv_heads={self.kv_heads}, n, head_dim={self.head_dim}) "
+                f"(got {tuple(k.shape)} and {tuple(v.shape)})"
+            )
+        pool = self.k_pools[layer]
+        if k.dtype != pool.dtype or k.device != pool.device:
+            k, v = k.to(pool), v.to(pool)
+        n = k.shape[1]
+        created = seq_id not in self._written
+        if created:
+            self.allocator.allocate(seq_id, 0)
+            self._written[seq_id] = [0] * self.num_layers
+        start = self._written[seq_id][layer]
+        extra = start + n - self.allocator.seq_len(seq_id)
+        if extra > 0:
+            try:
+                appended = self.allocator.append_slots(seq_id, extra)
+            except OutOfBlocks:
+                if created:  # leave no empty sequence behind
+                    self.free(seq_id)
+                raise
+            self._apply_copies(appended.copies)
+        self._write(seq_id, layer, start, k, v)
+        self._written[seq_id][layer] = start + n
+
+    def _write(
+        self, seq_id: Hashable, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        n, bs = k.shape[1], self.block_size
+        if n == 0:
+            return
+        table = torch.tensor(self.allocator.block_table(seq_id), device=k.device)
+        pos = torch.arange(start, start + n, device=k.device)
+        blocks, offsets = table[pos // bs], pos % bs
+        # pool[blocks, :, offsets] has shape (n, kv_heads, head_dim)
+        self.k_pools[layer][blocks, :, offsets] = k.transpose(0, 1)
+        self.v_pools[layer][blocks, :, offsets] = v.transpose(0, 1)
+
+    def gather(self, seq_id: Hashable, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``seq_id`` as contiguous ``(kv_heads, seq_len, head_dim)`` tensors."""
+        n = self.seq_len(seq_id, layer)
+        table = torch.tensor(self.allocator.block_table(seq_id), device=self.k_pools[layer].device)
+        nb = blocks_needed(n, self.block_size)
+        out = []
+        for pool in (self.k_pools[layer], self.v_pools[layer]):
+            blocks = pool[table[:nb]]  # (nb, kv_heads, block_size, head_dim)
+            out.append(blocks.transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim)[:, :n])
+        return out[0], out[1]
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """``child`` shares all of ``parent``'s blocks (prefix sharing; copy-on-write later)."""
+        written = self._written.get(parent)
+        if written is None:
+            raise KeyError(f"unknown sequence {parent!r}")
+        if len(set(written)) != 1:
+            raise ValueError(
+                f"fork {parent!r} between decode steps: its layers hold {written} tokens"
+            )
+        self.allocator.fork(parent, child)
+        self._written[child] = list(written)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release ``seq_id``'s blocks (shared blocks stay with their other owners)."""
+        self.allocator.free(seq_id)
+        del self._written[seq_id]
+
+    def block_tables(self, seq_ids: Iterable[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded ``block_tables`` ``(num_seqs, max_blocks)`` int64 (pad 0) and ``context_lens``."""
+        seq_ids = list(seq_ids)
+        tables = [self.allocator.block_table(s) for s in seq_ids]
+        width = max((len(t) for t in tables), default=0)
+        device = self.k_pools[0].device
+        bt = torch.zeros((len(seq_ids), max(width, 1)), dtype=torch.long, device=device)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        lens = torch.tensor([self.seq_len(s) for s in seq_ids], dtype=torch.long, device=device)
+        return bt, lens
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One decode step of attention, reading K/V through block tables (reference implementation).
+
+    Args:
+        query: ``(num_seqs, num_heads, head_dim)``, one new token per sequence.
+        k_pool, v_pool: ``(num_blocks, kv_heads, block_size, head_dim)``; ``num_heads`` must be a
+            multiple of ``kv_heads`` (grouped-query attention: query head ``h`` reads KV head
+            ``h // (num_heads // kv_heads)``).
+        block_tables: ``(num_seqs, max_blocks)`` integer; row ``i``'s first
+            ``ceil(context_lens[i] / block_size)`` entries are physical blocks, the rest padding.
+        context_lens: ``(num_seqs,)`` tokens each sequence attends to (≥ 1).
+        scale: softmax scale, default ``head_dim ** -0.5``.
+
+    Returns:
+        ``(num_seqs, num_heads, head_dim)``: softmax over the key axis (each sequence's own
+        ``context_lens[i]`` tokens; the unused tail of the last block and padding blocks are masked).
+
+    All sequences are handled in one batched gather + two einsums; there is no loop over tokens or
+    sequences. Memory is ``num_seqs × max_blocks × block_size`` keys — a reference, not a kernel.
+    """
+    for name, t in (("query", query), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating-point torch.Tensor (got {type(t).__name__})"
+            )
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be (num_seqs, num_heads, head_dim) (got shape {tuple(query.shape)})"
+        )
+    if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(
+            "k_pool and v_pool must both be (num_blocks, kv_heads, block_size, head_dim) "
+            f"(got {tuple(k_pool.shape)} and {tuple(v_pool.shape)})"
+        )
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, kv_heads, block_size, pool_dim = k_pool.shape
+    if pool_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != pool head_dim {pool_dim}")
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dtype.is_floating_point:
+        raise TypeError("block_tables must be an integer torch.Tensor")
+    if not isinstance(context_lens, torch.Tensor) or context_lens.dtype.is_floating_point:
+        raise TypeError("context_lens must be an integer torch.Tensor")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be (num_seqs={num_seqs}, max_blocks) (got {tuple(block_tables.shape)})"
+        )
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"context_lens must be (num_seqs={num_seqs},) (got {tuple(context_lens.shape)})"
+        )
+    max_blocks = block_tables.shape[1]
+    device = query.device
+    block_tables = block_tables.to(device=device, dtype=torch.long)
+    context_lens = context_lens.to(device=device, dtype=torch.long)
+    if bool((context_lens < 1).any()) or bool((context_lens > max_blocks * block_size).any()):
+        raise ValueError(
+            f"context_lens must be in [1, max_blocks * block_size = {max_blocks * block_size}] "
+            f"(got {context_lens.tolist()})"
+        )
+    used = (
+        torch.arange(max_blocks, device=device)
+        < (context_lens[:, None] + block_size - 1) // block_size
+    )
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad.any()):
+        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) in used entries")
+    tables = torch.where(used, block_tables, torch.zeros_like(block_tables))
+
+    # Gather: (S, M, KVH, B, D) -> (S, KVH, M*B, D)
+    keys = k_pool[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, -1, head_dim)
+    values = v_pool[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, -1, head_dim)
+    group = num_heads // kv_heads
+    q = query.reshape(num_seqs, kv_heads, group, head_dim)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = torch.einsum("skgd,sktd->skgt", q, keys) * scale
+    valid = torch.arange(max_blocks * block_size, device=device) < context_lens[:, None]  # (S, T)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    out = torch.einsum("skgt,sktd->skgd", probs, values)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def dense_attention(
+    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+) -> torch.Tensor:
+    """The dense reference: ``scaled_dot_product_attention`` per sequence (GQA by head repeat).
+
+    Args:
+        query: ``(num_seqs, num_heads, head_dim)``.
+        keys, values: one ``(kv_heads, seq_len_i, head_dim)`` tensor per sequence.
+
+    Returns:
+        ``(num_seqs, num_heads, head_dim)``.
+    """
+    outs = []
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        group = query.shape[1] // k.shape[0]
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+        q = query[i][:, None, :]  # (H, 1, D)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, 0])
+    return torch.stack(outs)
+
+
+# --- transformers integration ---------------------------------------------------------------
+class PagedCacheLayer(CacheLayerMixin):
+    """One layer of :class:`PagedCache`: ``update`` appends into the shared paged pool and
+    returns the gathered ``(batch, kv_heads, seq_len, head_dim)`` keys and values.
+
+    Batch row ``b`` is sequence ``b`` of the pool. Attention itself stays the model's own (it
+    receives the gathered tensors), so outputs match :class:`transformers.DynamicCache` exactly.
+    """
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, parent: PagedCache, layer_idx: int) -> None:
+        super().__init__()
+        self.parent = parent
+        self.layer_idx = layer_idx
+        self._len = 0
+        self._batch = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.parent._ensure_store(key_states)
+        self.device = key_states.device
+        self._batch = key_states.shape[0]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self._batch:
+            raise ValueError(f"batch size changed from {self._batch} to {key_states.shape[0]}")
+        store = self.parent.store
+        assert store is not None
+        for b in range(self._batch):
+            store.append(b, key_states[b], value_states[b], layer=self.layer_idx)
+        self._len += key_states.shape[-2]
+        ks, vs = zip(*(store.gather(b, self.layer_idx) for b in range(self._batch)), strict=True)
+        return torch.stack(ks), torch.stack(vs)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.parent._reset()
+
+    def offload(self) -> None:  # the pool stays where it is
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PagedCache does not support beam search (reorder_cache)")
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` whose layers live in one :class:`PagedKVCache` pool.
+
+    ``model.generate(input_ids, cache=PagedCache(model.config, num_blocks=256))`` generates the
+    same tokens as with ``DynamicCache``; afterwards ``cache.store`` holds the block tables and
+    pools (``cache.store.allocator`` shows how many blocks the generation took).
+
+    Args:
+        config: the model config (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``).
+        num_blocks: size of the pool (all layers share the tables; each layer has its own pool).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, config: Any, num_blocks: int, block_size: int = 16) -> None:
+        text = (
+            config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        )
+        self.num_blocks = _check_positive_int("num_blocks", num_blocks)
+        self.block_size = _check_positive_int("block_size", block_size)
+        self.num_layers = text.num_hidden_layers
+        self.kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = (
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        )
+        self.store: PagedKVCache | None = None
+        super().__init__(layers=[PagedCacheLayer(self, i) for i in range(self.num_layers)])
+
+    def _ensure_store(self, key_states: torch.Tensor) -> None:
+        if self.store is None:
+            if key_states.shape[1] != self.kv_heads or key_states.shape[-1] != self.head_dim:
+                raise ValueError(
+                    f"key_states {tuple(key_states.shape)} do not match the config "
+                    f"(kv_heads={self.kv_heads}, head_dim={self.head_dim})"
+                )
+            self.store = PagedKVCache(
+                self.num_blocks,
+                self.block_size,
+                self.kv_heads,
+                self.head_dim,
+                num_layers=self.num_layers,
+                dtype=key_states.dtype,
+                device=key_states.device,
+            )
+
+    def _reset(self) -> None:
+        self.store = None
+        for layer in self.layers:
+            layer._len, layer._batch, layer.is_initialized = 0, 0, False
+
+
+@dataclass(frozen=True)
+class ParallelSampling:
+    """KV memory of ``num_samples`` continuations of one prompt, with or without prefix sharing.
+
+    Attributes:
+        prompt_len, num_samples, output_len, block_size: the scenario.
+        blocks_shared: blocks used when samples fork the prompt's blocks (copy-on-write).
+        blocks_unshared: blocks used when each sample holds its own copy of the prompt.
+        cow_copies: partly filled prompt blocks copied on write in the shared case.
+    """
+
+    prompt_len: int
+    num_samples: int
+    output_len: int
+    block_size: int
+    blocks_shared: int
+    blocks_unshared: int
+    cow_copies: int
+    timeline_shared: list[int] = field(default_factory=list, repr=False)
+    timeline_unshared: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def memory_saved(self) -> float:
+        """Fraction of KV memory saved by sharing: ``1 - shared / unshared`` (at the end)."""
+        return 1.0 - self.blocks_shared / self.blocks_unshared
+
+
+def parallel_sampling(
+    prompt_len: int, num_samples: int, output_len: int, block_size: int = 16
+) -> ParallelSampling:
+    """Run parallel sampling through a real :class:`BlockAllocator`, with and without sharing.
+
+    Shared: the prompt is prefilled once, then forked ``num_samples - 1`` times; each sample then
+    appends ``output_len`` tokens (the first write into a partly filled shared block copies it).
+    Unshared: each sample prefills its own copy of the prompt.
+    """
+    for name, value in (("prompt_len", prompt_len), ("num_samples", num_samples)):
+        _check_positive_int(name, value)
+    if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 0:
+        raise ValueError(f"output_len must be a non-negative int (got {output_len!r})")
+    _check_positive_int("block_size", block_size)
+    per_sample = blocks_needed(prompt_len + output_len, block_size)
+    big = num_samples * per_sample + num_samples
+    results = {}
+    for share in (True, False):
+        alloc = BlockAllocator(big, block_size)
+        if share:
+            alloc.allocate(0, prompt_len)
+            for s in range(1, num_samples):
+                alloc.fork(0, s)
+        else:
+            for s in range(num_samples):
+                alloc.allocate(s, prompt_len)
+        timeline = [alloc.num_used]
+        for _ in range(output_len):
+            for s in range(num_samples):
+                alloc.append_slots(s, 1)
+            timeline.append(alloc.num_used)
+        results[share] = (alloc.num_used, alloc.num_cow_copies, timeline)
+    return ParallelSampling(
+        prompt_len=prompt_len,
+        num_samples=num_samples,
+        output_len=output_len,
+        block_size=block_size,
+        blocks_shared=results[True][0],
+        blocks_unshared=results[False][0],
+        cow_copies=results[True][1],
+        timeline_shared=results[True][2],
+        timeline_unshared=results[False][2],
+    )
+
+
+# The serving simulation lives in kvlib.serving (which imports the allocator above).
+from kvlib.serving import POLICIES, Request, ServingStats, make_trace, simulate_serving  # noqa: E402
