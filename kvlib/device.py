@@ -43,7 +43,9 @@ def get_device(prefer: str | None = None) -> torch.device:
     if device.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise ValueError(f"device {choice!r} requested but MPS is not available on this machine")
+            raise ValueError(
+                f"device {choice!r} requested but MPS is not available on this machine"
+            )
     return device
 
 

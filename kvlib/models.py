@@ -197,7 +197,9 @@ def load_model(
         torch_dtype = torch_dtype or torch.float32
     else:
         if not isinstance(model_id, str | os.PathLike) or not str(model_id).strip():
-            raise ValueError(f"model_id must be a non-empty string, a path or None (got {model_id!r})")
+            raise ValueError(
+                f"model_id must be a non-empty string, a path or None (got {model_id!r})"
+            )
         source = str(model_id)
     load_kwargs = dict(kwargs)
     if model_id is not None and not Path(source).expanduser().is_dir() and not hub_reachable():

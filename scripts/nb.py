@@ -101,7 +101,11 @@ def from_py(src: Path, dst: Path) -> None:
             lines.append(line)
     flush()
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
     nb.metadata["language_info"] = {"name": "python"}
     dst.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, dst)

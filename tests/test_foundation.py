@@ -11,13 +11,22 @@ import torch
 import kvlib
 from kvlib.data import load_eval_text, split_text
 from kvlib.device import get_device, seed_everything
-from kvlib.models import BUNDLED_GGUF, ModelNotAvailableError, bundled_model_path, describe, load_model
+from kvlib.models import (
+    BUNDLED_GGUF,
+    ModelNotAvailableError,
+    bundled_model_path,
+    describe,
+    load_model,
+)
 
 
 def test_import_from_any_folder(tmp_path) -> None:
     out = subprocess.run(
         [sys.executable, "-c", "import kvlib; print(kvlib.__version__)"],
-        cwd=tmp_path, capture_output=True, text=True, check=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == kvlib.__version__
 
@@ -78,14 +87,19 @@ def test_bundled_model_file_found() -> None:
 
 def test_bundled_model_architecture(model) -> None:
     info = describe(model)
-    assert (info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (30, 9, 3, 64)
+    assert (info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (
+        30,
+        9,
+        3,
+        64,
+    )
     assert info["dtype"] == "float32"
 
 
 def test_bundled_model_generates_sensible_text(model, tokenizer) -> None:
     ids = tokenizer("The capital of France is", return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    text = tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, ids.input_ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in text
 
 

@@ -43,7 +43,9 @@ def test_requirements_and_environment_agree() -> None:
     assert req == env, {
         "only in requirements.txt": sorted(set(req) - set(env)),
         "only in environment.yml": sorted(set(env) - set(req)),
-        "different specs": {k: (req[k], env[k]) for k in req.keys() & env.keys() if req[k] != env[k]},
+        "different specs": {
+            k: (req[k], env[k]) for k in req.keys() & env.keys() if req[k] != env[k]
+        },
     }
 
 
