@@ -769,7 +769,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         source=_HF + "microsoft/Phi-3-mini-128k-instruct",
     ),
     # Falcon-7B: tiiuae/falcon-7b config.json (32 layers, 71 q heads, multi_query → 1 KV head,
-    # hidden 4544 → head_dim 64); 7.22B params. The classic MQA model.
+    # hidden 4544 → head_dim 64); ≈7.22B params (model card). The classic MQA model.
     ModelSpec(
         "falcon-7b",
         32,
@@ -801,7 +801,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         source=_HF + "deepseek-ai/DeepSeek-V3; arXiv:2412.19437",
     ),
     # DeepSeek-V2-Lite: deepseek-ai/DeepSeek-V2-Lite config.json (27 layers, 16 heads, MLA
-    # 512 + 64); 15.7B params. arXiv:2405.04434.
+    # 512 + 64); ≈15.7B params (model card). arXiv:2405.04434.
     ModelSpec(
         "deepseek-v2-lite",
         27,
