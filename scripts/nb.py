@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,8 @@ def execute_notebook(path: Path, out: Path) -> tuple[bool, float, str]:
     start = time.perf_counter()
     ok, message = True, ""
     try:
-        client.execute()
+        # The kernel process's own log (e.g. a transport notice) is not notebook output.
+        client.execute(stderr=subprocess.DEVNULL)
     except CellExecutionError as exc:
         ok, message = False, str(exc).strip().splitlines()[-1][:300]
     except Exception as exc:  # kernel died, timeout, ...
