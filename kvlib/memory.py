@@ -593,14 +593,14 @@ _SPECS: tuple[ModelSpec, ...] = (
         source=_HF + "meta-llama/Llama-3.1-70B",
     ),
     # Llama-3.1-405B: meta-llama/Llama-3.1-405B config.json (126 layers, 128 q, 8 kv);
-    # ≈405.9B params (model card, rounded).
+    # 405,853,388,800 params (safetensors metadata on the hub).
     ModelSpec(
         "llama-3.1-405b",
         126,
         128,
         8,
         128,
-        num_params=405_900_000_000,
+        num_params=405_853_388_800,
         vocab_size=128_256,
         hidden_size=16_384,
         max_position_embeddings=131_072,
@@ -769,7 +769,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         source=_HF + "microsoft/Phi-3-mini-128k-instruct",
     ),
     # Falcon-7B: tiiuae/falcon-7b config.json (32 layers, 71 q heads, multi_query → 1 KV head,
-    # hidden 4544 → head_dim 64); ≈7.22B params (model card). The classic MQA model.
+    # hidden 4544 → head_dim 64); 7,217,189,760 params (safetensors metadata). Classic MQA.
     ModelSpec(
         "falcon-7b",
         32,
@@ -801,7 +801,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         source=_HF + "deepseek-ai/DeepSeek-V3; arXiv:2412.19437",
     ),
     # DeepSeek-V2-Lite: deepseek-ai/DeepSeek-V2-Lite config.json (27 layers, 16 heads, MLA
-    # 512 + 64); ≈15.7B params (model card). arXiv:2405.04434.
+    # 512 + 64); 15,706,484,224 params (safetensors metadata). arXiv:2405.04434.
     ModelSpec(
         "deepseek-v2-lite",
         27,
