@@ -1,0 +1,89 @@
+"""The kvlib command line: output, --json, and one-line errors with non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvlib.cli import main, parse_size
+
+
+def test_parse_size():
+    assert parse_size("32k") == 32768 and parse_size("128K") == 131072
+    assert parse_size("1m") == 1 << 20 and parse_size("4096") == 4096
+    for bad in ("0", "-5", "abc", "1.0001k", ""):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_memory_table(capsys):
+    assert main(["memory", "--model", "llama-3.1-8b", "--context", "32k", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "128 KiB" in out and "32 GiB" in out  # per token, batch of 8 at fp16
+
+
+def test_memory_json_bits(capsys):
+    argv = ["memory", "--model", "llama-3.1-8b", "--context", "32k", "--bits", "4", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["bits"] for r in rows] == [16, 4]
+    assert rows[0]["bytes_per_sequence"] == 4 * 1024**3
+
+
+def test_plan_text_and_json(capsys):
+    argv = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24", "--context", "32k"]
+    assert main([*argv, "--concurrency", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "vllm serve" in out and "--cache-type-k" in out
+    assert main([*argv, "--concurrency", "4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["kv"] == "int4" and d["vllm"]["max_model_len"] == 32768
+
+
+def test_models(capsys):
+    assert main(["models", "--json"]) == 0
+    names = [m["name"] for m in json.loads(capsys.readouterr().out)]
+    assert "llama-3.1-8b" in names and "deepseek-v3" in names
+
+
+@pytest.mark.parametrize(
+    "argv, code, needle",
+    [
+        (
+            ["plan", "--model", "llama-3-8", "--gpu-memory", "24", "--context", "8k"],
+            1,
+            "did you mean llama-3.1-8b",
+        ),
+        (
+            ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24", "--context", "32q"],
+            2,
+            "invalid size",
+        ),
+        (
+            ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "-3", "--context", "8k"],
+            2,
+            "--gpu-memory",
+        ),
+        (
+            ["memory", "--model", "llama-3.1-8b", "--context", "8k", "--bits", "5"],
+            1,
+            "bits must be one of",
+        ),
+        (["plan", "--model", "llama-3.1-8b", "--gpu", "nope", "--context", "8k"], 1, "unknown GPU"),
+        ([], 2, "required"),
+    ],
+)
+def test_bad_input_one_line(capsys, argv, code, needle):
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_python_m_kvlib_help():
+    r = subprocess.run(
+        [sys.executable, "-m", "kvlib", "plan", "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "--concurrency" in r.stdout

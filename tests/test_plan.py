@@ -1,0 +1,156 @@
+"""kvlib.plan: the scenarios of the configuration guide, each with its expected recommendation."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlib import memory, plan
+from kvlib.plan import recommend
+
+MEAS = {
+    "source": "benchmarks/bench_cache.py",
+    "date": "2026-12-02",
+    "model": "SmolLM2-135M",
+    "caches": {
+        "fp16-dynamic": {
+            "perplexity": 10.0,
+            "perplexity_delta_pct": 0.0,
+            "bytes_ratio_vs_fp16": 1.0,
+        },
+        "kvlib-int8": {
+            "perplexity": 10.001,
+            "perplexity_delta_pct": 0.01,
+            "bytes_ratio_vs_fp16": 0.53,
+        },
+        "kvlib-int4": {
+            "perplexity": 10.08,
+            "perplexity_delta_pct": 0.8,
+            "bytes_ratio_vs_fp16": 0.28,
+        },
+    },
+}
+
+
+@pytest.fixture(params=["measured", "unmeasured"])
+def meas(request):
+    return MEAS if request.param == "measured" else {}
+
+
+def test_8b_on_24gb_at_32k_one_user_keeps_fp16(meas):
+    p = recommend("llama-3.1-8b", 24, 32768, measurements=meas)
+    assert (p.status, p.kv, p.engine) == ("ok", "fp16", "transformers")
+    assert p.to_transformers() == {"cache_implementation": "dynamic"}
+    assert p.to_llama_cpp()["--cache-type-k"] == "f16"
+
+
+def test_8b_on_24gb_at_32k_four_users_int4(meas):
+    p = recommend("llama-3.1-8b", 24, 32768, concurrency=4, measurements=meas)
+    assert (p.status, p.kv, p.engine, p.paging) == ("ok", "int4", "vllm", True)
+    assert p.max_concurrency >= 4 > p.max_concurrency_fp16
+    v = p.to_vllm()
+    assert v["kv_cache_dtype"] == "fp8" and v["max_model_len"] == 32768 and v["block_size"] == 16
+    assert p.to_transformers()["cache_config"]["nbits"] == 4
+    ll = p.to_llama_cpp()
+    assert ll["--cache-type-v"] == "q4_0" and ll["-fa"] == "on" and ll["-c"] == 4 * 32768
+    note = [r for r in p.reasons if r.startswith("int4:")][0]
+    if meas:
+        assert "+0.8 %" in note and "2026-12-02" in note and "bench_cache" in note
+    else:
+        assert "not measured" in note
+
+
+def test_70b_on_2x80gb_tensor_parallel():
+    p = recommend("llama-3.1-70b", 80, 32768, concurrency=16, num_gpus=2, measurements={})
+    assert p.status == "reduced" and p.kv == "int4" and p.tensor_parallel_size == 2
+    assert p.to_vllm()["tensor_parallel_size"] == 2
+    assert any(s.startswith("weight_bits=8") for s in p.suggestions)
+    p8 = recommend("llama-3.1-70b", 80, 32768, 16, weight_bits=8, num_gpus=2, measurements={})
+    assert p8.fits and p8.to_vllm()["quantization"] == "fp8"
+
+
+def test_1b_on_laptop_cpu():
+    p = recommend("llama-3.2-1b", 16, 8192, device="cpu", measurements={})
+    assert (p.status, p.kv, p.engine) == ("ok", "fp16", "llama.cpp")
+    assert p.to_llama_cpp()["-ngl"] == 0 and p.to_llama_cpp()["-c"] == 8192
+
+
+def test_long_document_rag_128k():
+    p = recommend("llama-3.1-8b", 80, 131072, concurrency=4, measurements={})
+    assert (p.status, p.kv) == ("ok", "int8")
+    assert p.max_concurrency_fp16 == 3
+    v = p.to_vllm()
+    assert v["kv_cache_dtype"] == "fp8" and v["max_model_len"] == 131072 and v["max_num_seqs"] == 4
+
+
+def test_chat_service_64_users():
+    p = recommend("llama-3.1-8b", 80, 8192, concurrency=64, measurements={})
+    assert (p.kv, p.engine, p.paging, p.idle_storage) == ("int8", "vllm", True, "pca")
+    assert p.to_vllm()["max_num_seqs"] == 64
+    assert any("pca: storage figures not measured" in r for r in p.reasons)
+
+
+def test_colab_t4_7b_needs_lower_weight_bits():
+    p = recommend("qwen2.5-7b", 16, 8192, measurements={})
+    assert p.status == "impossible" and p.kv is None and p.max_concurrency == 0
+    assert any(s.startswith("weight_bits=8") for s in p.suggestions)
+    with pytest.raises(ValueError, match="does not fit"):
+        p.to_vllm()
+    p4 = recommend("qwen2.5-7b", 16, 8192, weight_bits=4, measurements={})
+    assert p4.fits and p4.kv == "fp16"
+
+
+def test_deepseek_v3_mla_replicated_latent():
+    p = recommend(
+        "deepseek-v3", 141, 131072, concurrency=8, weight_bits=8, num_gpus=8, measurements={}
+    )
+    assert p.fits and p.kv == "int8" and p.to_vllm()["tensor_parallel_size"] == 8
+    spec = memory.get_spec("deepseek-v3")
+    assert p.kv_bytes_per_sequence_fp16 == memory.kv_cache_bytes(spec, 131072)  # not sharded
+    assert any("MLA" in w for w in p.watch)
+
+
+def test_gemma2_sliding_window_counts_capped_layers():
+    p = recommend("gemma-2-9b", 48, 8192, concurrency=8, measurements={})
+    spec = memory.get_spec("gemma-2-9b")
+    full = memory.ModelSpec("full", 42, 16, 8, 256, num_params=spec.num_params)
+    assert p.kv_bytes_per_sequence_fp16 == memory.kv_cache_bytes(spec, 8192)
+    assert p.kv_bytes_per_sequence_fp16 < memory.kv_cache_bytes(full, 8192)
+    if p.kv != "fp16":
+        with pytest.raises(ValueError, match="sliding-window"):
+            p.to_transformers()
+
+
+def test_impossible_and_malformed_input():
+    p = recommend("llama-3.1-70b", 24, 8192, measurements={})
+    assert p.status == "impossible" and p.max_concurrency == 0 and p.suggestions
+    z = recommend("llama-3.1-8b", 0, 8192, measurements={})
+    assert z.status == "impossible" and z.max_concurrency >= 0
+    with pytest.raises(ValueError, match="did you mean"):
+        recommend("llama-3-8", 24, 8192)
+    with pytest.raises(ValueError, match="quality"):
+        recommend("llama-3.1-8b", 24, 8192, quality="best")
+    with pytest.raises(ValueError, match="weight_bits"):
+        recommend("llama-3.1-8b", 24, 8192, weight_bits=5)
+    with pytest.raises(ValueError, match="gpu_memory_gb"):
+        recommend("llama-3.1-8b", -1, 8192)
+    with pytest.raises(ValueError, match="context_len"):
+        recommend("llama-3.1-8b", 24, 0)
+    with pytest.raises(TypeError, match="concurrency"):
+        recommend("llama-3.1-8b", 24, 8192, concurrency=1.5)
+    with pytest.raises(ValueError, match="num_gpus"):
+        recommend("llama-3.1-8b", 24, 8192, num_gpus=3)
+
+
+def test_quality_levels_are_ordered():
+    kvs = [
+        recommend("llama-3.1-8b", 24, 32768, 8, quality=q, measurements={}) for q in plan.QUALITIES
+    ]
+    assert kvs[0].kv == "fp16" and kvs[0].status == "reduced"
+    assert [p.max_concurrency for p in kvs] == sorted(p.max_concurrency for p in kvs)
+
+
+def test_to_dict_is_json():
+    import json
+
+    d = recommend("llama-3.1-8b", 24, 32768, 4, measurements=MEAS).to_dict()
+    assert json.loads(json.dumps(d))["kv"] == "int4"
