@@ -463,8 +463,9 @@ def paged_attention(
         ``(num_seqs, num_heads, head_dim)``: softmax over the key axis (each sequence's own
         ``context_lens[i]`` tokens; the unused tail of the last block and padding blocks are masked).
 
-    All sequences are handled in one batched gather + two einsums; there is no loop over tokens or
-    sequences. Memory is ``num_seqs × max_blocks × block_size`` keys — a reference, not a kernel.
+    All sequences are handled in one batched gather + two matmuls; there is no loop over tokens or
+    sequences. Memory is ``num_seqs × max_blocks × block_size`` keys — a reference, not a fused
+    kernel (vLLM's CUDA kernel reads the blocks in place instead of gathering them).
     """
     for name, t in (("query", query), ("k_pool", k_pool), ("v_pool", v_pool)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -516,17 +517,19 @@ def paged_attention(
         raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) in used entries")
     tables = torch.where(used, block_tables, torch.zeros_like(block_tables))
 
-    # Gather: (S, M, KVH, B, D) -> (S, KVH, M*B, D)
-    keys = k_pool[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, -1, head_dim)
-    values = v_pool[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, -1, head_dim)
+    # Gather whole blocks, keeping the pool's layout: (S, M, KVH, B, D). Flattening to
+    # (S, KVH, M*B, D) would copy everything once more; instead the softmax runs over the two
+    # key axes (M = block, B = offset in block) together.
+    keys, values = k_pool[tables], v_pool[tables]
     group = num_heads // kv_heads
-    q = query.reshape(num_seqs, kv_heads, group, head_dim)
+    q = query.reshape(num_seqs, 1, kv_heads, group, head_dim)
     scale = head_dim**-0.5 if scale is None else scale
-    scores = torch.einsum("skgd,sktd->skgt", q, keys) * scale
-    valid = torch.arange(max_blocks * block_size, device=device) < context_lens[:, None]  # (S, T)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    out = torch.einsum("skgt,sktd->skgd", probs, values)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (S, M, KVH, G, B)
+    valid = torch.arange(max_blocks * block_size, device=device) < context_lens[:, None]
+    scores = scores.masked_fill(~valid.view(num_seqs, max_blocks, 1, 1, block_size), float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))  # softmax over (M, B)
+    weights = weights / weights.sum(dim=(1, 4), keepdim=True)
+    out = torch.matmul(weights.to(values.dtype), values).sum(dim=1)  # (S, KVH, G, D)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 

@@ -118,6 +118,8 @@ class ServingStats:
         waste_fraction: reserved-but-unused slots / reserved slots, summed over steps.
         peak_concurrent: most sequences (samples) running in one step.
         mean_concurrent: average sequences running per step.
+        busy_concurrent: average sequences running over the steps in which requests were
+            waiting (the memory-bound regime; equals ``mean_concurrent`` if none waited).
         completed: requests finished.
         makespan: steps until the last request finished.
         preemptions: requests evicted and recomputed (paged only).
@@ -132,6 +134,7 @@ class ServingStats:
     waste_fraction: float
     peak_concurrent: int
     mean_concurrent: float
+    busy_concurrent: float
     completed: int
     makespan: int
     preemptions: int
@@ -160,6 +163,7 @@ class ServingStats:
             "waste_%": 100.0 * self.waste_fraction,
             "peak_seqs": self.peak_concurrent,
             "mean_seqs": self.mean_concurrent,
+            "busy_seqs": self.busy_concurrent,
             "req_per_kstep": 1000.0 * self.throughput,
             "mean_latency": self.mean_latency,
             "preemptions": self.preemptions,
@@ -249,6 +253,7 @@ def simulate_serving(
     reserved_t: list[int] = []
     used_t: list[int] = []
     conc_t: list[int] = []
+    waiting_t: list[bool] = []
     latencies: list[float] = []
     preemptions = 0
     step = 0
@@ -351,6 +356,7 @@ def simulate_serving(
         reserved_t.append(reserved)
         used_t.append(sum(used_slots(x) for x in running))
         conc_t.append(sum(x.req.num_samples for x in running))
+        waiting_t.append(bool(queue))
         still = []
         for run in running:
             if run.generated >= run.req.output_len:
@@ -361,6 +367,7 @@ def simulate_serving(
         running = still
         step += 1
 
+    busy = [c for c, w in zip(conc_t, waiting_t, strict=True) if w]
     total_reserved = sum(reserved_t)
     waste = (total_reserved - sum(used_t)) / total_reserved if total_reserved else 0.0
     return ServingStats(
@@ -371,6 +378,7 @@ def simulate_serving(
         waste_fraction=waste,
         peak_concurrent=max(conc_t),
         mean_concurrent=float(np.mean(conc_t)),
+        busy_concurrent=float(np.mean(busy)) if busy else float(np.mean(conc_t)),
         completed=len(latencies),
         makespan=step,
         preemptions=preemptions,
