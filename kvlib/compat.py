@@ -1,0 +1,200 @@
+"""The one adapter between kvlib and the moving parts of transformers' cache API (notebook 04).
+
+transformers renames things between releases: in 5.x the model ``forward`` and ``generate``
+take the cache as ``cache=`` (``past_key_values=`` still works but emits a deprecation
+warning, and is scheduled for removal), and model outputs carry it as ``outputs.cache``
+(``outputs.past_key_values`` before). Everything in kvlib and in the notebooks goes through
+the helpers below, so a rename is fixed here once:
+
+- :func:`cache_kwarg` — the keyword this transformers accepts without warning;
+- :func:`forward` / :func:`generate` — call a model with a cache;
+- :func:`output_cache` — the cache object returned in a model output;
+- :func:`dynamic_cache` / :func:`hf_quantized_cache` — build transformers' own caches;
+- :func:`layer_types` — the attention layer types a config declares;
+- :func:`layer_nbytes` / :func:`cache_nbytes` — bytes really held by a cache (every packed
+  code, scale, zero point and full-precision residual), for transformers' layers and kvlib's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+HF_BACKENDS = ("quanto", "hqq", "fp8")
+
+
+@functools.cache
+def _kwarg_for(forward: Any) -> str:
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwarg(model: Any = None) -> str:
+    """The keyword under which ``model.forward`` (and ``generate``) takes the KV cache.
+
+    ``"cache"`` on transformers ≥ 5.2x (where ``past_key_values`` is deprecated),
+    ``"past_key_values"`` on older releases. Without a model, the Llama class decides.
+    """
+    if model is None:
+        from transformers import LlamaForCausalLM
+
+        forward = LlamaForCausalLM.forward
+    else:
+        forward = type(model).forward
+    return _kwarg_for(forward)
+
+
+def _check_ids(input_ids: Any, name: str = "input_ids") -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of token ids (got {type(input_ids).__name__})"
+        )
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"{name} must have shape (batch, seq_len) (got shape {tuple(input_ids.shape)})"
+        )
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold integer token ids (got dtype {input_ids.dtype})")
+    return input_ids
+
+
+def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> Any:
+    """One forward pass of ``model`` over ``input_ids`` (batch, seq_len), reading and extending
+    ``cache`` (a transformers ``Cache``; ``None`` lets the model make a fresh DynamicCache).
+
+    Positions continue from ``cache.get_seq_length()``. Runs under ``torch.inference_mode``.
+    Returns the model output; its cache is :func:`output_cache` ``(out)``.
+    """
+    _check_ids(input_ids)
+    kwargs.setdefault("use_cache", True)
+    if cache is not None:
+        kwargs[cache_kwarg(model)] = cache
+    with torch.inference_mode():
+        return model(input_ids=input_ids.to(model.device), **kwargs)
+
+
+def output_cache(outputs: Any) -> Any:
+    """The cache held by a model output (``outputs.cache``, or ``past_key_values`` on older
+    transformers)."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(outputs, name, None) if not isinstance(outputs, dict) else outputs.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def generate(model: Any, input_ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> torch.Tensor:
+    """``model.generate(input_ids, <cache keyword>=cache, **kwargs)`` without deprecation noise.
+
+    ``cache=None`` lets ``generate`` make its own DynamicCache. ``kwargs`` go to ``generate``
+    (``max_new_tokens``, ``do_sample``, ``attention_mask``, ...). A pad token id is filled in
+    from the model's config when missing, so that transformers does not warn about it.
+    Returns the (batch, prompt + new) token ids.
+    """
+    _check_ids(input_ids)
+    if cache is not None:
+        kwargs[cache_kwarg(model)] = cache
+    gen_cfg = getattr(model, "generation_config", None)
+    if "pad_token_id" not in kwargs and gen_cfg is not None and gen_cfg.pad_token_id is None:
+        eos = gen_cfg.eos_token_id
+        kwargs["pad_token_id"] = eos[0] if isinstance(eos, list | tuple) else eos
+    if "attention_mask" not in kwargs:
+        kwargs["attention_mask"] = torch.ones_like(input_ids, device=model.device)
+    with torch.inference_mode():
+        return model.generate(input_ids.to(model.device), **kwargs)
+
+
+def layer_types(config: Any) -> list[str]:
+    """Attention type of every decoder layer of ``config`` (``"full_attention"``,
+    ``"sliding_attention"``, ...), as transformers' cache classes see them."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text_config = config.get_text_config(decoder=True)
+    types, _ = get_layer_types_and_kwargs(text_config)
+    return list(types)
+
+
+def dynamic_cache(config: Any = None) -> Any:
+    """A fresh transformers ``DynamicCache`` (layers laid out for ``config`` when given)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config) if config is not None else DynamicCache()
+
+
+def hf_quantized_cache(
+    config: Any,
+    backend: str = "quanto",
+    nbits: int | None = None,
+    *,
+    axis_key: int | None = None,
+    axis_value: int | None = None,
+    q_group_size: int | None = None,
+    residual_length: int | None = None,
+) -> Any:
+    """transformers' built-in ``QuantizedCache`` for ``config``.
+
+    Args:
+        backend: ``"quanto"`` (nbits 2/4, axes 0/-1), ``"hqq"`` (nbits 1/2/3/4/8, axes 0/1) or
+            ``"fp8"`` (per-tensor float8, takes no other option).
+        nbits, axis_key, axis_value, q_group_size, residual_length: ``None`` keeps the
+            backend's default (4 bits, axis 0 for both, groups of 64, residual 128).
+    """
+    if backend not in HF_BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(HF_BACKENDS)} (got {backend!r})")
+    from transformers import QuantizedCache
+
+    options = {
+        "nbits": nbits,
+        "axis_key": axis_key,
+        "axis_value": axis_value,
+        "q_group_size": q_group_size,
+        "residual_length": residual_length,
+    }
+    return QuantizedCache(backend, config, **{k: v for k, v in options.items() if v is not None})
+
+
+def _tensor_nbytes(obj: Any) -> int:
+    """Bytes of a tensor, of a tensor subclass holding inner tensors (quanto), or of a
+    (tensor, dict-of-tensors) pair (HQQ); 0 for anything else."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(type(obj), "__tensor_flatten__", None)
+        if flatten is not None and type(obj) is not torch.Tensor:
+            names, _ = obj.__tensor_flatten__()
+            return sum(_tensor_nbytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_nbytes(v) for v in obj)
+    return 0
+
+
+def layer_nbytes(layer: Any) -> int:
+    """Bytes held by one cache layer: kvlib layers report their own exact count; for
+    transformers' layers, the keys/values tensors plus any quantized states (packed codes,
+    scales, zero points; a scalar per-tensor scale counts too)."""
+    own = getattr(layer, "nbytes", None)
+    if callable(own):
+        return int(own())
+    total = _tensor_nbytes(getattr(layer, "keys", None)) + _tensor_nbytes(
+        getattr(layer, "values", None)
+    )
+    total += _tensor_nbytes(getattr(layer, "_quantized_keys", None))
+    total += _tensor_nbytes(getattr(layer, "_quantized_values", None))
+    return total
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes held by a whole cache (sum of :func:`layer_nbytes` over its layers)."""
+    own = getattr(cache, "nbytes", None)
+    if callable(own):
+        return int(own())
+    return sum(layer_nbytes(layer) for layer in getattr(cache, "layers", []))
