@@ -7,10 +7,15 @@ module         what it holds                                               noteb
 =============  ==========================================================  ========
 ``memory``     model specs, KV-cache byte math, what fits in a GPU         01
 ``quant``      int8/4/3/2 quantization with real bit-packing              02, 03
+``capture``    capturing a real model's Q/K/V, attention-output error      02, 03
 ``cache``      a quantized KV cache that plugs into transformers           04
 ``eval``       perplexity with the cache really read, generation speed     04
+``compat``     one adapter over transformers' cache keyword churn          04
 ``pca``        PCA transform coding of the cache (KVTC-style)             05
-``paged``      block allocator, paged attention, serving simulation        06
+``bitalloc``   bit allocation per PCA component under a budget             05
+``paged``      block allocator, paged attention, paged transformers cache  06
+``serving``    trace-driven serving simulation (waste, concurrency)        06
+``harness``    the full-model run: memory, speed, quality, what fits       07
 ``plan``       scenario-based recommendations and engine flags             08
 ``models``     loading the bundled offline model (or any hub model)        00
 ``device``     device selection and seeding                                00
@@ -28,18 +33,21 @@ from kvlib.device import get_device, seed_everything
 __version__ = "0.1.0"
 
 _SUBMODULES = (
+    "bitalloc",
     "cache",
+    "capture",
     "compat",
     "data",
     "device",
     "eval",
+    "harness",
     "memory",
     "models",
     "paged",
     "pca",
     "plan",
-    "plot",
     "quant",
+    "serving",
 )
 
 __all__ = ["get_device", "seed_everything", "__version__", *_SUBMODULES]

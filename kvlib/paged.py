@@ -739,5 +739,14 @@ def parallel_sampling(
     )
 
 
-# The serving simulation lives in kvlib.serving (which imports the allocator above).
-from kvlib.serving import POLICIES, Request, ServingStats, make_trace, simulate_serving  # noqa: E402
+# The serving simulation lives in kvlib.serving (which imports the allocator above); its names are
+# re-exported here lazily so that importing either module first works.
+_SERVING_NAMES = ("POLICIES", "Request", "ServingStats", "make_trace", "simulate_serving")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SERVING_NAMES:
+        import kvlib.serving
+
+        return getattr(kvlib.serving, name)
+    raise AttributeError(f"module 'kvlib.paged' has no attribute {name!r}")
