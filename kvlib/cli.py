@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -139,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--weight-bits", type=int, choices=plan.WEIGHT_BITS, default=16)
     pl.add_argument("--num-gpus", type=_positive_int, default=1, help="tensor-parallel GPUs")
     pl.add_argument("--device", choices=plan.DEVICES, default="gpu")
+    pl.add_argument(
+        "--measurements",
+        metavar="PATH",
+        help="measured results to cite (JSON, kvlib/measurements.json layout; default: "
+        f"${plan.MEASUREMENTS_ENV}, else the package's own)",
+    )
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     mo = sub.add_parser(
@@ -242,6 +249,7 @@ def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
         weight_bits=args.weight_bits,
         num_gpus=args.num_gpus,
         device=args.device,
+        measurements=args.measurements,
     )
     lines = [p.summary()]
     if p.kv is not None:
@@ -323,8 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"kvlib: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(payload, indent=2, ensure_ascii=False))
-    else:
-        print(text)
+    try:
+        print(json.dumps(payload, indent=2, ensure_ascii=False) if args.json else text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `kvlib models | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return 0

@@ -31,13 +31,18 @@ The byte math is :mod:`kvlib.memory`'s; this module only decides. The rules, in 
    ``"max"`` fp16 only; ``"balanced"`` fp16 → int8 → int4; ``"aggressive"`` … → int2.
    If none fits all sequences, the lowest allowed setting and the number of sequences it does fit
    (status ``"reduced"``); if not even one sequence fits, or the weights alone do not, status
-   ``"impossible"`` with what would fit (fewer tokens, lower weight bits, more GPUs).
+   ``"impossible"`` with what would fit (fewer tokens, lower weight bits, more GPUs, or both).
 
 4. **Engine and extras**: more than one sequence or more than one GPU → a serving engine with
    paging (vLLM: continuous batching, PagedAttention, tensor parallelism); CPU → llama.cpp; one
    sequence on one GPU → transformers. Eight or more concurrent conversations → also store idle
    conversations compressed (PCA transform coding, :mod:`kvlib.pca`) rather than holding their
    fp16 cache or recomputing it.
+
+**Measurements.** Reasons cite the measured perplexity cost and byte ratio of the chosen setting
+from :func:`load_measurements` — ``recommend(..., measurements=path_or_dict)``, else the file
+named by ``$KVLIB_MEASUREMENTS``, else the package's ``kvlib/measurements.json`` — and say "not
+measured" where a figure is missing; no number is invented.
 
 The plan is worst-case: every sequence at the full context at once. Real traffic is shorter, and
 a paged engine admits more sequences than this count; the count is what is *guaranteed*.
@@ -48,9 +53,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from kvlib import memory
@@ -65,6 +72,8 @@ __all__ = [
     "Plan",
     "recommend",
     "load_measurements",
+    "measured_cost",
+    "MEASUREMENTS_ENV",
     "quality_note",
 ]
 
@@ -164,22 +173,100 @@ QUALITY_LADDER: dict[str, tuple[str, ...]] = {
 # measured quality costs (package data written by benchmarks/bench_cache.py)
 
 
-def load_measurements() -> dict[str, Any]:
-    """The project's measured cache results (``kvlib/measurements.json``), or ``{}`` if absent.
+#: Environment variable naming a measurements file to use instead of the package's own.
+MEASUREMENTS_ENV = "KVLIB_MEASUREMENTS"
 
-    Raises ``ValueError`` if the file exists but is not a JSON object with a ``"caches"`` mapping.
+#: Keys a cache may be stored under in ``measurements["caches"]``, tried in order.
+_CACHE_KEYS: dict[str, tuple[str, ...]] = {
+    "fp16": ("fp16-dynamic", "fp16", "dynamic", "DynamicCache"),
+    "int8": ("kvlib-int8", "int8", "kvlib_int8"),
+    "int4": ("kvlib-int4", "int4", "kvlib_int4"),
+    "int2": ("kvlib-int2", "int2", "kvlib_int2"),
+}
+
+
+def _read_measurements(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("caches", {}), dict):
+        raise ValueError(f"{where} must be a JSON object with a 'caches' mapping")
+    return data
+
+
+def load_measurements(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The project's measured cache results, as a dict (``{}`` when none are packaged).
+
+    Read from ``path`` if given, else from the file named by ``$KVLIB_MEASUREMENTS``, else from
+    the package's ``kvlib/measurements.json`` (written by ``benchmarks/bench_cache.py``). A
+    missing package file gives ``{}``; a missing file that was asked for by name raises.
+
+    Raises:
+        ValueError: the named file does not exist, or a file is not a JSON object with a
+            ``"caches"`` mapping.
     """
+    if path is None and os.environ.get(MEASUREMENTS_ENV):
+        path = os.environ[MEASUREMENTS_ENV]
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"measurements file {str(path)!r} does not exist")
+        return _read_measurements(
+            file.read_text(encoding="utf-8"), f"measurements file {file.name}"
+        )
     try:
         text = resources.files("kvlib").joinpath("measurements.json").read_text(encoding="utf-8")
     except (FileNotFoundError, OSError):
         return {}
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"kvlib/measurements.json is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("caches", {}), dict):
-        raise ValueError("kvlib/measurements.json must be an object with a 'caches' mapping")
-    return data
+    return _read_measurements(text, "kvlib/measurements.json")
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
+def _cache_entry(setting: str, measurements: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    caches = measurements.get("caches") if measurements else None
+    if not isinstance(caches, Mapping):
+        return None
+    for key in _CACHE_KEYS.get(setting, (setting,)):
+        entry = caches.get(key)
+        if isinstance(entry, Mapping):
+            return entry
+    return None
+
+
+def measured_cost(setting: str, measurements: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """Measured figures for a KV setting: ``perplexity``, ``perplexity_delta_pct`` (vs fp16) and
+    ``bytes_ratio_vs_fp16``, whichever the measurements hold (``{}`` when none).
+
+    The delta is taken as stored, or computed from this setting's and fp16's perplexities.
+    """
+    if setting not in KV_SETTINGS:
+        raise ValueError(f"setting must be one of {', '.join(KV_SETTINGS)} (got {setting!r})")
+    if measurements is None:
+        measurements = load_measurements()
+    entry = _cache_entry(setting, measurements)
+    if entry is None:
+        return {}
+    out: dict[str, float] = {}
+    ppl = _number(entry.get("perplexity"))
+    if ppl is not None:
+        out["perplexity"] = ppl
+    delta = _number(entry.get("perplexity_delta_pct"))
+    ref = _cache_entry("fp16", measurements)
+    ref_ppl = _number(ref.get("perplexity")) if ref is not None else None
+    if delta is None and ppl is not None and ref_ppl:
+        delta = 100.0 * (ppl / ref_ppl - 1.0)
+    if delta is not None:
+        out["perplexity_delta_pct"] = 0.0 if setting == "fp16" else delta
+    ratio = _number(entry.get("bytes_ratio_vs_fp16"))
+    if ratio is not None:
+        out["bytes_ratio_vs_fp16"] = ratio
+    return out
 
 
 def _fmt_pct(x: float) -> str:
@@ -205,12 +292,12 @@ def quality_note(setting: str, measurements: Mapping[str, Any] | None = None) ->
         pca = measurements.get("pca")
         if not isinstance(pca, Mapping) or not pca:
             return "pca: storage figures not measured yet (benchmarks/bench_pca.py)"
-        ratio = pca.get("compression_vs_fp16") or pca.get("compression_ratio")
-        delta = pca.get("perplexity_delta_pct")
+        ratio = _number(pca.get("compression_vs_fp16") or pca.get("compression_ratio"))
+        delta = _number(pca.get("perplexity_delta_pct"))
         parts = []
-        if isinstance(ratio, (int, float)):
+        if ratio is not None:
             parts.append(f"{ratio:.3g}× smaller than fp16")
-        if isinstance(delta, (int, float)):
+        if delta is not None:
             parts.append(f"{_fmt_pct(delta)} perplexity")
         if not parts:
             return "pca: storage figures not measured yet (benchmarks/bench_pca.py)"
@@ -220,33 +307,24 @@ def quality_note(setting: str, measurements: Mapping[str, Any] | None = None) ->
         raise ValueError(
             f"setting must be one of {', '.join([*KV_SETTINGS, 'pca'])} (got {setting!r})"
         )
-    key = KV_SETTINGS[setting].measurement_key
-    entry = measurements.get("caches", {}).get(key) if measurements else None
-    if not isinstance(entry, Mapping):
-        if setting == "fp16":
-            return "fp16: the reference precision, no quantization error"
-        return f"{setting}: quality cost not measured yet (benchmarks/bench_cache.py)"
-    delta = entry.get("perplexity_delta_pct")
-    ratio = entry.get("bytes_ratio_vs_fp16")
+    cost = measured_cost(setting, measurements)
     parts = []
     if setting == "fp16":
-        ppl = entry.get("perplexity")
-        if isinstance(ppl, (int, float)):
-            parts.append(f"the reference, perplexity {ppl:.4g}")
-    elif isinstance(delta, (int, float)):
-        parts.append(f"{_fmt_pct(delta)} perplexity")
-    if setting != "fp16" and isinstance(ratio, (int, float)):
-        parts.append(f"{ratio:.3g}× the fp16 bytes")
+        if "perplexity" not in cost:
+            return "fp16: the reference precision, no quantization error"
+        parts.append(f"the reference, perplexity {cost['perplexity']:.4g}")
+    else:
+        if "perplexity_delta_pct" in cost:
+            parts.append(f"{_fmt_pct(cost['perplexity_delta_pct'])} perplexity")
+        if "bytes_ratio_vs_fp16" in cost:
+            parts.append(f"{cost['bytes_ratio_vs_fp16']:.3g}× the fp16 bytes")
     if not parts:
         return f"{setting}: quality cost not measured yet (benchmarks/bench_cache.py)"
     return f"{setting}: {', '.join(parts)} {_provenance(measurements)}"
 
 
 def _measured_delta(setting: str, measurements: Mapping[str, Any]) -> float | None:
-    entry = measurements.get("caches", {}).get(KV_SETTINGS[setting].measurement_key)
-    if isinstance(entry, Mapping) and isinstance(entry.get("perplexity_delta_pct"), (int, float)):
-        return float(entry["perplexity_delta_pct"])
-    return None
+    return measured_cost(setting, measurements).get("perplexity_delta_pct")
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,6 +453,25 @@ class Plan:
     def num_sequences(self) -> int:
         """Sequences the plan provisions for: the request, or what fits when reduced."""
         return min(self.concurrency, self.max_concurrency)
+
+    @property
+    def buys(self) -> str:
+        """One line: what the chosen setting buys against fp16 (sequences, or context)."""
+        if self.kv is None:
+            return "nothing yet: not one sequence fits (see suggestions)"
+        ctx = _fmt_tokens(self.max_context)
+        ctx16 = _fmt_tokens(self.max_context_fp16)
+        if self.kv == "fp16":
+            return (
+                f"fp16 needs no trade: {self.max_concurrency} sequences fit at "
+                f"{self.context_len:,} tokens, or {self.concurrency} at up to {ctx} tokens"
+            )
+        n, n16 = self.max_concurrency, self.max_concurrency_fp16
+        gain = f"{n / n16:.3g}× as many" if n16 else "where fp16 fits none"
+        return (
+            f"{self.kv} fits {n} sequences at {self.context_len:,} tokens against {n16} at fp16 "
+            f"({gain}), or {self.concurrency} at up to {ctx} tokens against {ctx16}"
+        )
 
     def _require_feasible(self, engine: str) -> KVSetting:
         if self.kv is None:
@@ -528,6 +625,7 @@ class Plan:
                 f"{self.max_concurrency} (fp16 {self.max_concurrency_fp16}); max context for "
                 f"{self.concurrency}: {self.max_context:,} (fp16 {self.max_context_fp16:,})"
             )
+        lines.append(f"buys: {self.buys}")
         lines += [f"why: {r}" for r in self.reasons]
         lines += [f"watch: {w}" for w in self.watch]
         lines += [f"would fit: {s}" for s in self.suggestions]
@@ -546,6 +644,7 @@ class Plan:
         out["spec"] = dataclasses.asdict(self.spec)
         out["budget"] = dataclasses.asdict(self.budget)
         out["fits"] = self.fits
+        out["buys"] = self.buys
         if self.kv is not None:
             out["vllm"] = self.to_vllm()
             out["llama_cpp"] = self.to_llama_cpp()
@@ -583,6 +682,10 @@ def _kv_seq_bytes(spec: memory.ModelSpec, seq_len: int, storage: Storage, tp: in
     bits, group = storage
     total = memory.kv_cache_bytes(spec, seq_len, batch_size=1, bits=bits, group_size=group)
     return math.ceil(total * _kv_share(spec, tp))
+
+
+def _fmt_tokens(n: int) -> str:
+    return "unbounded" if n >= memory.UNBOUNDED else f"{n:,}"
 
 
 def _fit(kv_budget: int, per_seq: int) -> int:
@@ -704,7 +807,7 @@ def recommend(
     num_gpus: int = 1,
     *,
     device: str = "gpu",
-    measurements: Mapping[str, Any] | None = None,
+    measurements: Mapping[str, Any] | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Recommend a KV-cache configuration (rules in the module docstring).
 
@@ -720,8 +823,9 @@ def recommend(
         weight_bits: 16, 8 or 4.
         num_gpus: GPUs used with tensor parallelism (must divide the model's attention heads).
         device: ``"gpu"`` or ``"cpu"`` (RAM, llama.cpp, one device).
-        measurements: measured results to cite; default: the package's ``measurements.json``
-            (``{}`` to cite none).
+        measurements: measured results to cite: a dict in the ``measurements.json`` layout, a
+            path to such a file, or None for :func:`load_measurements` (``$KVLIB_MEASUREMENTS``,
+            else the package's file); ``{}`` cites none.
 
     Raises:
         ValueError/TypeError: malformed input (unknown model — with close matches, negative or
@@ -750,8 +854,13 @@ def recommend(
             f"num_gpus={num_gpus} cannot split {name}'s {spec.num_heads} attention heads evenly "
             f"(tensor parallelism needs a divisor of {spec.num_heads})"
         )
-    if measurements is None:
-        measurements = load_measurements()
+    if measurements is None or isinstance(measurements, (str, os.PathLike)):
+        measurements = load_measurements(measurements)
+    elif not isinstance(measurements, Mapping):
+        raise TypeError(
+            "measurements must be a mapping, a path to a JSON file or None "
+            f"(got {type(measurements).__name__})"
+        )
     tp = num_gpus
 
     ev = _evaluate(spec, device, gpu_memory_gb, context_len, concurrency, quality, weight_bits, tp)
@@ -904,13 +1013,17 @@ def recommend(
             )
             if alt.status == "ok":
                 suggestions.append(f"quality={nxt!r}: the whole request with {alt.kv}")
-        for wb in (b for b in WEIGHT_BITS if b < weight_bits):
+        lower_bits = [b for b in WEIGHT_BITS if b < weight_bits]
+        weights_alone = False
+        for wb in lower_bits:
             alt = _evaluate(spec, device, gpu_memory_gb, context_len, concurrency, quality, wb, tp)
             if alt.status == "ok":
                 suggestions.append(f"weight_bits={wb}: the whole request with {alt.kv}")
+                weights_alone = True
                 break
         if device == "gpu" and gpu_memory_gb > 0:
-            for n in (t for t in TP_CANDIDATES if t > tp and _valid_tp(spec, t)):
+            more_gpus = [t for t in TP_CANDIDATES if t > tp and _valid_tp(spec, t)]
+            for n in more_gpus:
                 alt = _evaluate(
                     spec, device, gpu_memory_gb, context_len, concurrency, quality, weight_bits, n
                 )
@@ -924,6 +1037,17 @@ def recommend(
                     f"more than {TP_CANDIDATES[-1]} GPUs: pipeline parallelism across nodes "
                     "(vLLM pipeline_parallel_size), or a smaller model"
                 )
+            # both at once: the fewest GPUs that fit with lower-bit weights
+            combos = [(n, wb) for n in more_gpus for wb in reversed(lower_bits)]
+            for n, wb in combos if not weights_alone else ():
+                alt = _evaluate(
+                    spec, device, gpu_memory_gb, context_len, concurrency, quality, wb, n
+                )
+                if alt.status == "ok":
+                    suggestions.append(
+                        f"num_gpus={n} with weight_bits={wb}: the whole request with {alt.kv}"
+                    )
+                    break
         need = ev.budget.weights_bytes + ev.budget.overhead_bytes + kv_seq * concurrency
         gb = need / (1 - HEADROOM_FRACTION[device]) / GB
         what = f"{tp} GPUs of" if tp > 1 else ("RAM of" if device == "cpu" else "a GPU with")

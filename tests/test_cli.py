@@ -87,3 +87,55 @@ def test_python_m_kvlib_help():
         [sys.executable, "-m", "kvlib", "plan", "--help"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "--concurrency" in r.stdout
+
+
+def test_every_subcommand_has_help(capsys):
+    for argv in (["--help"], ["memory", "--help"], ["plan", "--help"], ["models", "--help"]):
+        assert main(argv) == 0
+        assert "--json" in capsys.readouterr().out or argv == ["--help"]
+
+
+def test_console_script_declared():
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    entry = tomllib.loads(pyproject.read_text())["project"]["scripts"]["kvlib"]
+    module, func = entry.split(":")
+    assert getattr(importlib.import_module(module), func) is main
+
+
+def test_plan_cites_measurements_file(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "m.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model": "TinyTest-1M",
+                "date": "2031-01-02",
+                "caches": {"kvlib-int4": {"perplexity_delta_pct": 2.25}},
+            }
+        )
+    )
+    argv = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24", "--context", "32k"]
+    argv += ["--concurrency", "4"]
+    assert main([*argv, "--measurements", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "int4: +2.25 % perplexity on TinyTest-1M, measured 2031-01-02" in out
+    monkeypatch.setenv("KVLIB_MEASUREMENTS", str(path))
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert any("+2.25 %" in r for r in d["reasons"]) and d["buys"].startswith("int4 fits")
+    assert main([*argv, "--measurements", str(tmp_path / "nope.json")]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and len(err.strip().splitlines()) == 1
+
+
+def test_impossible_plan_says_what_would_fit(capsys):
+    argv = ["plan", "--model", "llama-3.1-70b", "--gpu", "RTX 4090", "--context", "8k"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "status: impossible" in out and "vllm serve" not in out
+    # 4-bit weights alone (35 GB) do not fit one 24 GB card; with two cards they do
+    assert "would fit: weight_bits=4" not in out
+    assert "would fit: num_gpus=2 with weight_bits=4" in out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlib import memory, plan
 from kvlib.plan import recommend
@@ -154,3 +156,100 @@ def test_to_dict_is_json():
 
     d = recommend("llama-3.1-8b", 24, 32768, 4, measurements=MEAS).to_dict()
     assert json.loads(json.dumps(d))["kv"] == "int4"
+
+
+def _write(path, data) -> str:
+    import json
+
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return str(path)
+
+
+def test_reasons_cite_a_measurements_file_by_path_or_env(tmp_path, monkeypatch):
+    data = {
+        "model": "TinyTest-1M",
+        "date": "2031-01-02",
+        "source": "benchmarks/bench_cache.py",
+        "caches": {
+            "fp16-dynamic": {"perplexity": 20.0},
+            # no stored delta: derived from the perplexities (+1.5 %)
+            "kvlib-int4": {"perplexity": 20.3, "bytes_ratio_vs_fp16": 0.3},
+        },
+    }
+    path = _write(tmp_path / "m.json", data)
+    assert plan.measured_cost("int4", plan.load_measurements(path)) == pytest.approx(
+        {"perplexity": 20.3, "perplexity_delta_pct": 1.5, "bytes_ratio_vs_fp16": 0.3}
+    )
+    by_path = recommend("llama-3.1-8b", 24, 32768, concurrency=4, measurements=path)
+    monkeypatch.setenv(plan.MEASUREMENTS_ENV, path)
+    by_env = recommend("llama-3.1-8b", 24, 32768, concurrency=4)
+    for p in (by_path, by_env):
+        note = next(r for r in p.reasons if r.startswith("int4:"))
+        assert "+1.5 % perplexity" in note and "0.3× the fp16 bytes" in note
+        assert "TinyTest-1M" in note and "2031-01-02" in note
+    # int8 is absent from this file: said so, no number invented
+    p8 = recommend("llama-3.1-8b", 80, 131072, concurrency=4)
+    assert p8.kv == "int8" and any("int8: quality cost not measured" in r for r in p8.reasons)
+
+
+def test_bad_measurements_files_raise(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="does not exist"):
+        plan.load_measurements(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        plan.load_measurements(bad)
+    monkeypatch.setenv(plan.MEASUREMENTS_ENV, _write(tmp_path / "list.json", [1, 2]))
+    with pytest.raises(ValueError, match="'caches' mapping"):
+        recommend("llama-3.1-8b", 24, 8192)
+    with pytest.raises(TypeError, match="measurements"):
+        recommend("llama-3.1-8b", 24, 8192, measurements=42)
+
+
+def test_pca_idle_storage_only_for_many_conversations():
+    meas = {**MEAS, "pca": {"compression_vs_fp16": 6.5, "perplexity_delta_pct": 0.4}}
+    chat = recommend("llama-3.1-8b", 80, 8192, concurrency=32, measurements=meas)
+    assert chat.idle_storage == "pca" and chat.paging
+    assert any("6.5× smaller than fp16" in r and "+0.4 %" in r for r in chat.reasons)
+    solo = recommend("llama-3.1-8b", 80, 8192, concurrency=1, measurements=meas)
+    assert solo.idle_storage is None and not solo.paging and solo.engine == "transformers"
+    few = recommend("llama-3.1-8b", 80, 8192, concurrency=4, measurements=meas)
+    assert few.idle_storage is None and few.paging  # several sequences: paged engine, no PCA
+
+
+def test_buys_compares_with_fp16():
+    p = recommend("llama-3.1-8b", 24, 32768, concurrency=4, measurements={})
+    assert p.kv == "int4" and p.max_concurrency > p.max_concurrency_fp16
+    assert (
+        f"{p.max_concurrency} sequences" in p.buys and f"against {p.max_concurrency_fp16}" in p.buys
+    )
+    assert p.max_context > p.max_context_fp16 and f"{p.max_context:,}" in p.buys
+    assert "buys: " in p.summary() and p.to_dict()["buys"] == p.buys
+    none = recommend("llama-3.1-70b", 24, 8192, measurements={})
+    assert "not one sequence fits" in none.buys
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(memory.list_specs()),
+    gb=st.floats(0, 400, allow_nan=False),
+    ctx=st.integers(1, 1 << 18),
+    conc=st.integers(1, 512),
+    quality=st.sampled_from(plan.QUALITIES),
+    wbits=st.sampled_from(plan.WEIGHT_BITS),
+)
+def test_plans_are_consistent_and_never_negative(name, gb, ctx, conc, quality, wbits):
+    p = recommend(name, gb, ctx, conc, quality=quality, weight_bits=wbits, measurements={})
+    assert min(p.max_concurrency, p.max_concurrency_fp16, p.max_context, p.max_context_fp16) >= 0
+    if p.status == "ok":
+        assert p.kv in plan.QUALITY_LADDER[quality] and p.max_concurrency >= conc
+    elif p.status == "reduced":
+        assert p.kv == plan.QUALITY_LADDER[quality][-1] and 1 <= p.max_concurrency < conc
+    else:
+        assert p.status == "impossible" and p.kv is None and p.max_concurrency == 0
+    if p.status != "ok":
+        assert p.suggestions  # says what would fit
+    if p.kv not in (None, "fp16"):
+        assert p.max_concurrency_fp16 < conc  # quantized only when fp16 does not fit them all
+    more = recommend(name, gb + 8, ctx, conc, quality=quality, weight_bits=wbits, measurements={})
+    assert more.max_concurrency_fp16 >= p.max_concurrency_fp16  # more memory never fits fewer
