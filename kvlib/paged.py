@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+if TYPE_CHECKING:  # re-exported lazily at the bottom of this module (no circular import)
+    from kvlib.serving import POLICIES, Request, ServingStats, make_trace, simulate_serving
 
 __all__ = [
     "POLICIES",

@@ -291,14 +291,16 @@ def simulate_serving(
         return need
 
     def blocks_to_admit(run: _Running) -> int:
-        """Upper bound on the blocks (re)admitting ``run`` takes, copies on write included."""
+        """Blocks (re)admitting ``run`` takes, copies on write included (exact)."""
         r, g = run.req, run.generated
         if not share_prefix:
             return r.num_samples * blocks_needed(r.prompt_len + g, bs)
         if g == 0:
             return blocks_needed(r.prompt_len, bs)
-        tail = blocks_needed(r.prompt_len + g, bs) - r.prompt_len // bs
-        return blocks_needed(r.prompt_len, bs) + r.num_samples * tail
+        # The full prompt blocks stay shared; every sample ends up with its own copy of the
+        # partly filled one (all but the last writer copy it) plus the blocks of its g tokens.
+        full = r.prompt_len // bs
+        return full + r.num_samples * (blocks_needed(r.prompt_len + g, bs) - full)
 
     while pending or queue or running:
         while pending and pending[0].arrival <= step:
@@ -351,6 +353,10 @@ def simulate_serving(
             queue.popleft()
             run.admitted = step
             running.append(run)
+        if queue and not running:  # the whole pool is free and the head still does not fit
+            raise RuntimeError(  # pragma: no cover - the up-front check rules this out
+                f"request {queue[0].req.req_id} cannot be admitted into an empty engine"
+            )
         # 3. record this step, then retire finished requests.
         reserved = alloc.num_used * bs if alloc is not None else reserved_contig
         reserved_t.append(reserved)

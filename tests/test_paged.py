@@ -19,7 +19,7 @@ from kvlib.paged import (
     parallel_sampling,
     simulate_serving,
 )
-from kvlib.serving import ServingStats
+from kvlib.serving import Request, ServingStats
 
 # --- BlockAllocator ---------------------------------------------------------------------------
 
@@ -109,10 +109,21 @@ ops = st.lists(
 
 
 @settings(max_examples=120, deadline=None)
-@given(ops=ops, num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 4]))
-def test_allocator_invariants_under_random_ops(ops, num_blocks, block_size):
-    cache = PagedKVCache(num_blocks, block_size, kv_heads=1, head_dim=1)
+@given(
+    ops=ops,
+    num_blocks=st.integers(1, 12),
+    block_size=st.sampled_from([1, 2, 3, 4]),
+    num_layers=st.sampled_from([1, 2]),
+)
+def test_allocator_invariants_under_random_ops(ops, num_blocks, block_size, num_layers):
+    cache = PagedKVCache(num_blocks, block_size, kv_heads=1, head_dim=1, num_layers=num_layers)
     alloc = cache.allocator
+
+    def write(seq, values):  # layer by layer, as a model does (layer l stores value + 1000 l)
+        for layer in range(num_layers):
+            t = torch.tensor(values).view(1, -1, 1) + 1000.0 * layer
+            cache.append(seq, t, -t, layer=layer)
+
     expected: dict[int, list[float]] = {}
     counter = 0.0
     next_id = 0
@@ -124,15 +135,13 @@ def test_allocator_invariants_under_random_ops(ops, num_blocks, block_size):
             if op == "alloc" or target is None:
                 values = [counter + i for i in range(n)]
                 counter += n
-                t = torch.tensor(values).view(1, n, 1)
-                cache.append(next_id, t, -t)
+                write(next_id, values)
                 expected[next_id] = values
                 next_id += 1
             elif op == "append":
                 values = [counter + i for i in range(n)]
                 counter += n
-                t = torch.tensor(values).view(1, n, 1)
-                cache.append(target, t, -t)
+                write(target, values)
                 expected[target] = expected[target] + values
             elif op == "fork":
                 cache.fork(target, next_id)
@@ -156,9 +165,10 @@ def test_allocator_invariants_under_random_ops(ops, num_blocks, block_size):
         for b in set(owners):  # a block is listed by exactly refcount tables, never twice in one
             assert owners.count(b) == alloc.refcount(b)
         for s, values in expected.items():  # copy-on-write never changed anyone else's data
-            k, v = cache.gather(s)
-            assert k.flatten().tolist() == values
-            assert v.flatten().tolist() == [-x for x in values]
+            for layer in range(num_layers):
+                k, v = cache.gather(s, layer)
+                assert k.flatten().tolist() == [x + 1000.0 * layer for x in values]
+                assert v.flatten().tolist() == [-x - 1000.0 * layer for x in values]
     for s in list(expected):
         cache.free(s)
     assert alloc.num_free == num_blocks and sorted(alloc.free_list) == list(range(num_blocks))
@@ -337,6 +347,61 @@ def test_simulation_bad_input(trace):
         simulate_serving([], 2**30, "paged")
 
 
+def test_make_trace_follows_its_stated_distributions():
+    trace = make_trace(4000, seed=3, arrival_rate=2.0, prompt_median=100, output_median=200)
+    prompts = sorted(r.prompt_len for r in trace)
+    outputs = sorted(r.output_len for r in trace)
+    assert 90 <= prompts[len(prompts) // 2] <= 110
+    assert 180 <= outputs[len(outputs) // 2] <= 220
+    gaps = [b.arrival - a.arrival for a, b in zip(trace, trace[1:], strict=False)]
+    assert 0.45 <= sum(gaps) / len(gaps) <= 0.55  # Poisson at 2 requests per step
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(0, 6), st.integers(1, 20), st.integers(1, 20), st.integers(1, 3)),
+        min_size=1,
+        max_size=8,
+    ),
+    policy=st.sampled_from(["contiguous-max", "contiguous-exact", "paged", "paged-shared"]),
+    block_size=st.sampled_from([1, 2, 3, 4, 8]),
+    extra=st.integers(0, 40),
+)
+def test_simulation_invariants_on_random_traces(reqs, policy, block_size, extra):
+    """Tight pools force preemption; every request still completes and the books balance."""
+    trace = [Request(i, float(a), p, o, n) for i, (a, p, o, n) in enumerate(reqs)]
+    share = policy == "paged-shared"
+    policy = "paged" if share else policy
+    max_len = 48
+    per = {
+        "contiguous-max": lambda r: max_len * r.num_samples,
+        "contiguous-exact": lambda r: (r.prompt_len + r.output_len) * r.num_samples,
+        "paged": lambda r: (
+            blocks_needed(r.prompt_len + r.output_len, block_size) * block_size * r.num_samples
+        ),
+    }[policy]
+    cap = max(per(r) for r in trace) + extra  # the largest request just fits alone
+    s = simulate_serving(
+        trace,
+        cap,
+        policy,
+        block_size,
+        bytes_per_token=1,
+        max_len=max_len,
+        max_num_seqs=4,
+        share_prefix=share,
+    )
+    assert s.completed == len(trace) and s.capacity_tokens == cap
+    assert 0.0 <= s.waste_fraction < 1.0 and 1 <= s.peak_concurrent <= 4
+    assert len(s.used) == len(s.reserved) == len(s.concurrent) == s.makespan
+    assert all(u <= r <= cap for u, r in zip(s.used, s.reserved, strict=True))
+    assert max(s.concurrent) == s.peak_concurrent
+    assert s.makespan >= max(r.arrival + r.output_len for r in trace)
+    if policy != "paged":
+        assert s.preemptions == 0
+
+
 def test_parallel_sampling_saves_memory():
     ps = parallel_sampling(1024, 4, 128, block_size=16)
     assert ps.blocks_unshared == 4 * (64 + 8) and ps.blocks_shared == 64 + 4 * 8
@@ -401,3 +466,12 @@ def test_paged_cache_batch_with_padding(model, tokenizer):
     assert cache.store.allocator.sequences == [0, 1]
     with pytest.raises(ValueError, match="num_blocks"):
         PagedCache(model.config, num_blocks=0)
+
+
+def test_paged_cache_out_of_blocks_is_raised(model, tokenizer):
+    ids = tokenizer(["A prompt of more than four tokens, surely"], return_tensors="pt").input_ids
+    assert ids.shape[1] > 4
+    cache = PagedCache(model.config, num_blocks=1, block_size=4)
+    with pytest.raises(OutOfBlocks):
+        _generate(model, ids, cache, 1)
+    assert cache.store is not None and cache.store.allocator.num_free == 1  # nothing kept
