@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["tradeoff", "memory_lines", "bytes_formatter"]
+__all__ = [
+    "tradeoff",
+    "memory_lines",
+    "bytes_formatter",
+    "reservation_map",
+    "block_map",
+    "serving_panels",
+]
 
 
 def _axes(ax: Any = None, figsize: tuple[float, float] = (8.0, 5.0)) -> Any:
@@ -108,3 +115,156 @@ def memory_lines(
             color="grey",
         )
     return ax
+
+
+# --- paged attention (notebook 06) ------------------------------------------------------------
+#: Colours of :func:`reservation_map`: not reserved, reserved but unused, holding a token.
+RESERVATION_COLOURS = ("#ffffff", "#f4a3a3", "#3b6ea8")
+
+
+def reservation_map(
+    rows: Sequence[tuple[int, int]],
+    *,
+    ax: Any = None,
+    width: int | None = None,
+    block_size: int | None = None,
+    title: str | None = None,
+) -> Any:
+    """Picture of KV slots per request: one row per request, one column per token slot.
+
+    Args:
+        rows: ``(used, reserved)`` token counts per request (``used <= reserved``).
+        width: columns drawn (default: the largest ``reserved``).
+        block_size: draw a thin line at every block boundary.
+
+    Slots holding a token are blue, reserved-but-unused slots (internal fragmentation and
+    over-reservation) red, slots not reserved white.
+    """
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    rows = [(int(u), int(r)) for u, r in rows]
+    if not rows:
+        raise ValueError("reservation_map() needs at least one (used, reserved) row")
+    if any(u < 0 or u > r for u, r in rows):
+        raise ValueError(f"each row must be (used, reserved) with 0 <= used <= reserved: {rows}")
+    width = width or max(r for _, r in rows)
+    grid = np.zeros((len(rows), width), dtype=int)
+    for i, (u, r) in enumerate(rows):
+        grid[i, : min(r, width)] = 1
+        grid[i, : min(u, width)] = 2
+    ax = _axes(ax, figsize=(8.0, 0.3 * len(rows) + 1.0))
+    ax.imshow(
+        grid,
+        cmap=ListedColormap(RESERVATION_COLOURS),
+        vmin=0,
+        vmax=2,
+        aspect="auto",
+        interpolation="nearest",
+    )
+    if block_size:
+        for x in range(block_size, width, block_size):
+            ax.axvline(x - 0.5, color="white", linewidth=0.5)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"req {i}" for i in range(len(rows))], fontsize=7)
+    ax.set_xlabel("token slot")
+    total_r = sum(r for _, r in rows)
+    waste = 1 - sum(u for u, _ in rows) / total_r if total_r else 0.0
+    ax.set_title(f"{title + ': ' if title else ''}{100 * waste:.1f} % of reserved slots unused")
+    return ax
+
+
+def block_map(
+    allocator: Any,
+    *,
+    ax: Any = None,
+    ncols: int | None = None,
+    title: str | None = None,
+    annotate: bool = True,
+) -> Any:
+    """The physical blocks of a :class:`kvlib.paged.BlockAllocator`, drawn as a grid.
+
+    Each cell is one physical block (numbered row by row): coloured by the sequence that holds
+    it, grey with ``a+b`` when several sequences share it, white when free. ``annotate`` writes
+    the owner and how many of the ``block_size`` slots are filled (``3/4``).
+    """
+    import numpy as np
+    from matplotlib.colors import to_rgba
+
+    n, bs = allocator.num_blocks, allocator.block_size
+    ncols = ncols or min(n, 16)
+    nrows = -(-n // ncols)
+    owners: dict[int, list[Any]] = {}
+    fill: dict[int, int] = {}
+    for seq in allocator.sequences:
+        length = allocator.seq_len(seq)
+        for i, block in enumerate(allocator.block_table(seq)):
+            owners.setdefault(block, []).append(seq)
+            fill[block] = max(fill.get(block, 0), min(bs, length - i * bs))
+    seq_colour = {s: f"C{i % 10}" for i, s in enumerate(allocator.sequences)}
+    img = np.ones((nrows, ncols, 4))
+    for b in range(nrows * ncols):
+        r, c = divmod(b, ncols)
+        if b >= n:
+            img[r, c] = to_rgba("#eeeeee")
+        elif b in owners:
+            who = owners[b]
+            img[r, c] = to_rgba("#9e9e9e" if len(who) > 1 else seq_colour[who[0]])
+    ax = _axes(ax, figsize=(0.6 * ncols + 1.0, 0.6 * nrows + 1.0))
+    ax.imshow(img, interpolation="nearest")
+    ax.set_xticks(np.arange(-0.5, ncols, 1), minor=True)
+    ax.set_yticks(np.arange(-0.5, nrows, 1), minor=True)
+    ax.grid(which="minor", color="black", linewidth=0.5)
+    ax.tick_params(which="both", length=0, labelbottom=False, labelleft=False)
+    if annotate:
+        for b, who in owners.items():
+            r, c = divmod(b, ncols)
+            label = "+".join(str(s) for s in who)
+            ax.text(c, r, f"{label}\n{fill[b]}/{bs}", ha="center", va="center", fontsize=7)
+    used = len(owners)
+    ax.set_title(
+        f"{title + ': ' if title else ''}{used}/{n} blocks used, "
+        f"{sum(fill.values())}/{used * bs} slots filled"
+    )
+    return ax
+
+
+def serving_panels(stats: Mapping[str, Any], *, axes: Any = None) -> Any:
+    """Three panels for :func:`kvlib.serving.simulate_serving` results, one entry per policy.
+
+    Args:
+        stats: ``{label: ServingStats}``.
+        axes: three ``Axes`` (default: a new 1 x 3 figure).
+
+    Left: reserved KV memory left unused (``waste_fraction``, %). Middle: sequences running per
+    step. Right: requests completed over simulated time.
+    """
+    if not stats:
+        raise ValueError("serving_panels() needs at least one ServingStats")
+    if axes is None:
+        import matplotlib.pyplot as plt
+
+        _, axes = plt.subplots(1, 3, figsize=(15.0, 4.0))
+    waste_ax, conc_ax, done_ax = axes
+    labels = list(stats)
+    colours = [f"C{i % 10}" for i in range(len(labels))]
+    waste = [100.0 * s.waste_fraction for s in stats.values()]
+    bars = waste_ax.bar(range(len(labels)), waste, color=colours)
+    waste_ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    waste_ax.set_xticks(range(len(labels)))
+    waste_ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    waste_ax.set_ylabel("reserved but unused (%)")
+    waste_ax.set_title("KV memory wasted")
+    for (label, s), colour in zip(stats.items(), colours, strict=True):
+        conc_ax.plot(s.concurrent, color=colour, label=label, linewidth=1)
+        done_ax.plot(s.finished, color=colour, label=label, linewidth=1)
+    conc_ax.set_xlabel("step")
+    conc_ax.set_ylabel("sequences running")
+    conc_ax.set_title("Concurrency")
+    done_ax.set_xlabel("step")
+    done_ax.set_ylabel("requests completed")
+    done_ax.set_title("Completed over time")
+    done_ax.legend(fontsize=8)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return axes

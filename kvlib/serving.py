@@ -124,7 +124,8 @@ class ServingStats:
         makespan: steps until the last request finished.
         preemptions: requests evicted and recomputed (paged only).
         mean_latency: average steps from arrival to completion.
-        reserved, used, concurrent: per-step timelines (slots reserved, slots used, sequences).
+        reserved, used, concurrent, finished: per-step timelines (slots reserved, slots used,
+            sequences running, requests completed so far).
     """
 
     policy: str
@@ -142,6 +143,7 @@ class ServingStats:
     reserved: list[int] = field(default_factory=list, repr=False)
     used: list[int] = field(default_factory=list, repr=False)
     concurrent: list[int] = field(default_factory=list, repr=False)
+    finished: list[int] = field(default_factory=list, repr=False)
 
     @property
     def throughput(self) -> float:
@@ -254,6 +256,7 @@ def simulate_serving(
     used_t: list[int] = []
     conc_t: list[int] = []
     waiting_t: list[bool] = []
+    finished_t: list[int] = []
     latencies: list[float] = []
     preemptions = 0
     step = 0
@@ -371,6 +374,7 @@ def simulate_serving(
             else:
                 still.append(run)
         running = still
+        finished_t.append(len(latencies))
         step += 1
 
     busy = [c for c, w in zip(conc_t, waiting_t, strict=True) if w]
@@ -392,4 +396,5 @@ def simulate_serving(
         reserved=reserved_t,
         used=used_t,
         concurrent=conc_t,
+        finished=finished_t,
     )

@@ -394,7 +394,8 @@ def test_simulation_invariants_on_random_traces(reqs, policy, block_size, extra)
     )
     assert s.completed == len(trace) and s.capacity_tokens == cap
     assert 0.0 <= s.waste_fraction < 1.0 and 1 <= s.peak_concurrent <= 4
-    assert len(s.used) == len(s.reserved) == len(s.concurrent) == s.makespan
+    assert len(s.used) == len(s.reserved) == len(s.concurrent) == len(s.finished) == s.makespan
+    assert s.finished == sorted(s.finished) and s.finished[-1] == len(trace)
     assert all(u <= r <= cap for u, r in zip(s.used, s.reserved, strict=True))
     assert max(s.concurrent) == s.peak_concurrent
     assert s.makespan >= max(r.arrival + r.output_len for r in trace)
@@ -475,3 +476,39 @@ def test_paged_cache_out_of_blocks_is_raised(model, tokenizer):
     with pytest.raises(OutOfBlocks):
         _generate(model, ids, cache, 1)
     assert cache.store is not None and cache.store.allocator.num_free == 1  # nothing kept
+
+
+# --- kvlib.plot helpers for notebook 06 -------------------------------------------------------
+
+
+def test_plot_helpers_for_paging():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlib import plot
+
+    ax = plot.reservation_map([(3, 8), (8, 8), (0, 4)], block_size=4)
+    img = ax.images[0].get_array()
+    assert img.shape == (3, 8) and img[0].tolist() == [2, 2, 2, 1, 1, 1, 1, 1]
+    assert img[2].tolist() == [1] * 4 + [0] * 4
+    assert "45.0 %" in ax.get_title()  # 11 of 20 reserved slots hold a token: 9 unused
+    with pytest.raises(ValueError, match="used <= reserved"):
+        plot.reservation_map([(5, 4)])
+    a = BlockAllocator(6, 4)
+    a.allocate("p", 6)
+    a.fork("p", "c")
+    a.append_slots("c", 1)
+    ax = plot.block_map(a, ncols=3)
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == ["c\n3/4", "p\n2/4", "p+c\n4/4"]
+    assert ax.get_title() == "3/6 blocks used, 9/12 slots filled"
+    trace = make_trace(20, seed=0)
+    stats = {p: simulate_serving(trace, 2**28, p) for p in ("contiguous-max", "paged")}
+    axes = plot.serving_panels(stats)
+    assert len(axes[1].lines) == 2 and len(axes[2].lines) == 2
+    assert axes[2].lines[1].get_ydata()[-1] == 20
+    with pytest.raises(ValueError, match="at least one"):
+        plot.serving_panels({})
+    plt.close("all")
