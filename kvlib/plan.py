@@ -75,6 +75,8 @@ __all__ = [
     "measured_cost",
     "MEASUREMENTS_ENV",
     "quality_note",
+    "results_tables",
+    "load_results",
 ]
 
 GIB = 1024**3
@@ -1082,3 +1084,58 @@ def recommend(
         suggestions=tuple(suggestions),
         measurements=dict(measurements),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# benchmarks/RESULTS.md, for the series summary (notebook 08)
+
+
+def results_tables(text: str) -> dict[str, list[list[dict[str, str]]]]:
+    """The Markdown tables of a results file, by the heading they sit under.
+
+    ``{"PagedAttention (kvlib.paged)": [...], "Serving simulation (...)": [[row, ...], ...]}``:
+    each table is a list of rows, each row a dict from column header to cell text (stripped).
+    A table belongs to the nearest heading above it (any level); a file without headings puts
+    its tables under ``""``. Placeholders such as ``_Not yet measured._`` simply have no tables.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str (got {type(text).__name__})")
+    out: dict[str, list[list[dict[str, str]]]] = {}
+    heading = ""
+    block: list[str] = []
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    def flush() -> None:
+        if len(block) >= 2 and set(block[1].replace("|", "").strip()) <= set("-: "):
+            headers = cells(block[0])
+            rows = [dict(zip(headers, cells(line), strict=False)) for line in block[2:]]
+            out.setdefault(heading, []).append(rows)
+        block.clear()
+
+    for line in text.splitlines():
+        if line.lstrip().startswith("|"):
+            block.append(line)
+            continue
+        flush()
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+    flush()
+    return out
+
+
+def load_results(
+    path: str | os.PathLike[str] | None = None,
+) -> dict[str, list[list[dict[str, str]]]]:
+    """:func:`results_tables` of ``benchmarks/RESULTS.md`` (default: the one next to this package
+    in a source checkout); ``{}`` when the default file is absent (e.g. a pip install)."""
+    if path is None:
+        file = Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"
+        if not file.is_file():
+            return {}
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"results file {str(path)!r} does not exist")
+    return results_tables(file.read_text(encoding="utf-8"))

@@ -253,3 +253,30 @@ def test_plans_are_consistent_and_never_negative(name, gb, ctx, conc, quality, w
         assert p.max_concurrency_fp16 < conc  # quantized only when fp16 does not fit them all
     more = recommend(name, gb + 8, ctx, conc, quality=quality, weight_bits=wbits, measurements={})
     assert more.max_concurrency_fp16 >= p.max_concurrency_fp16  # more memory never fits fewer
+
+
+def test_results_tables_reads_markdown_tables(tmp_path):
+    text = """# Measured results
+intro | not a table
+## Paged (kvlib.paged)
+_Not yet measured._
+### Serving simulation (seed 0)
+
+| policy | waste % |
+|---|---:|
+| contiguous-max | 77.64 |
+| paged | 1.61 |
+
+## Empty section
+_Not yet measured._
+"""
+    tables = plan.results_tables(text)
+    assert list(tables) == ["Serving simulation (seed 0)"]
+    assert tables["Serving simulation (seed 0)"] == [
+        [{"policy": "contiguous-max", "waste %": "77.64"}, {"policy": "paged", "waste %": "1.61"}]
+    ]
+    path = tmp_path / "RESULTS.md"
+    path.write_text(text, encoding="utf-8")
+    assert plan.load_results(path) == tables
+    with pytest.raises(ValueError, match="does not exist"):
+        plan.load_results(tmp_path / "missing.md")
