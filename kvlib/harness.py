@@ -42,7 +42,10 @@ __all__ = [
     "ComparisonRow",
     "FitRow",
     "ModelChoice",
+    "AGREEMENT_LIMITS",
     "ARCHITECTURES",
+    "Agreement",
+    "cache_agreement",
     "cache_factory",
     "cache_info",
     "choose_model",
@@ -398,7 +401,7 @@ def fill_and_step(
     context: int,
     batch: int = 1,
     *,
-    max_elements: int = 2**25,
+    max_elements: int = 2**26,
 ) -> int:
     """Fill a fresh cache with ``context`` tokens for ``batch`` sequences, then run one real
     decode step of the model over it; return the bytes the cache holds.
@@ -513,6 +516,127 @@ def search_max(
         else:
             hi = mid
     return lo, (hi - lo) if hi is not None else 0
+
+
+# -- correctness against DynamicCache ---------------------------------------------------------
+
+#: Largest layer-0 attention-output relative error accepted per cache bit width by
+#: :func:`cache_agreement` (int8 must be near-exact; int2 only roughly right).
+AGREEMENT_LIMITS: dict[int, float] = {8: 0.02, 4: 0.15, 3: 0.35, 2: 0.7}
+
+
+@dataclass
+class Agreement:
+    """How closely a cache reproduces DynamicCache on the last ``tail`` positions of a
+    chunked prefill (see :func:`cache_agreement`)."""
+
+    cache: str
+    bits: int
+    context: int
+    tail: int
+    attention_rel_err: float
+    logits_rel_err: float
+    top1_agreement: float
+    limit: float | None
+    passed: bool | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _first_o_proj(model: Any) -> torch.nn.Module:
+    for module in model.modules():
+        if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return module.o_proj
+    raise TypeError(
+        f"{type(model).__name__} has no Llama-style attention (q/k/v/o_proj) to compare"
+    )
+
+
+@torch.inference_mode()
+def _tail_outputs(
+    model: Any, ids: torch.Tensor, cache: Any, tail: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill ``ids[:, :-tail]`` into ``cache`` in chunks, then run the last ``tail`` tokens;
+    return their logits ``(batch, tail, vocab)`` and layer-0 attention output (the o_proj
+    input, ``(batch, tail, heads * head_dim)``), both float32."""
+    captured: list[torch.Tensor] = []
+    o_proj = _first_o_proj(model)
+    hook = o_proj.register_forward_pre_hook(lambda _m, args: captured.append(args[0].float()))
+    try:
+        head = ids.shape[1] - tail
+        for start in range(0, head, chunk):
+            compat.forward(model, ids[:, start : min(start + chunk, head)], cache, logits_to_keep=1)
+        captured.clear()
+        logits = compat.forward(model, ids[:, head:], cache).logits.float()
+    finally:
+        hook.remove()
+    return logits, captured[0]
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    denom = torch.linalg.vector_norm(ref)
+    diff = torch.linalg.vector_norm(a - ref)
+    return float(diff / denom) if denom > 0 else float(diff)
+
+
+def cache_agreement(
+    model: Any,
+    input_ids: torch.Tensor,
+    caches: Sequence[str],
+    *,
+    tail: int = 64,
+    chunk: int = 1024,
+    limits: dict[int, float] | None = None,
+) -> list[Agreement]:
+    """Check caches against transformers' DynamicCache on the same tokens.
+
+    ``input_ids`` ``(batch, seq_len)`` are prefilled in ``chunk``-token pieces (so each piece
+    reads the cached, possibly quantized, past), then the last ``tail`` tokens are run once
+    with each cache and once with a DynamicCache. Compared there:
+
+    - the layer-0 attention output (input of ``o_proj``): layer 0 sees identical inputs, so
+      its error is the cache's error alone;
+    - the logits (relative Frobenius error) and the argmax agreement.
+
+    A cache passes when its attention error is within ``limits[bits]`` (default
+    :data:`AGREEMENT_LIMITS`); ``passed`` is ``None`` for "dynamic" (the reference itself).
+    """
+    names = _check_caches(caches)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a (batch, seq_len) tensor of token ids")
+    if not 1 <= tail < input_ids.shape[1]:
+        raise ValueError(f"tail must be in [1, seq_len) (got {tail} for {input_ids.shape[1]})")
+    limits = AGREEMENT_LIMITS if limits is None else limits
+    ids = input_ids.to(next(model.parameters()).device)
+    dtype_bits = _dtype_bits(model)
+    ref_logits, ref_attn = _tail_outputs(
+        model, ids, compat.dynamic_cache(model.config), tail, chunk
+    )
+    ref_top1 = ref_logits.argmax(-1)
+    out = []
+    for name in names:
+        bits = cache_info(name).cache_bits(dtype_bits)
+        cache = make_cache(name, model.config)
+        logits, attn = _tail_outputs(model, ids, cache, tail, chunk)
+        del cache
+        limit = None if name == "dynamic" else limits.get(bits)
+        attn_err = _rel(attn, ref_attn)
+        out.append(
+            Agreement(
+                cache=name,
+                bits=bits,
+                context=int(ids.shape[1]),
+                tail=tail,
+                attention_rel_err=attn_err,
+                logits_rel_err=_rel(logits, ref_logits),
+                top1_agreement=float((logits.argmax(-1) == ref_top1).float().mean()),
+                limit=limit,
+                passed=None if limit is None else attn_err <= limit,
+            )
+        )
+        del logits, attn
+    return out
 
 
 # -- what fits --------------------------------------------------------------------------------

@@ -1,0 +1,279 @@
+"""GPU check of the full-model harness (kvlib.harness, notebook 07): one command, no internet.
+
+    python scripts/gpu_check.py             # CUDA: random-init SmolLM2-1.7B architecture, 32k context
+    python scripts/gpu_check.py --dry-run   # the same code path on CPU at tiny sizes, in seconds
+
+On a CUDA machine it builds a randomly initialised model of a real architecture (no hub
+access needed; :func:`kvlib.harness.random_model`), then
+
+1. checks every kvlib cache (and transformers' quanto cache, for reference) against
+   transformers' DynamicCache after a chunked prefill of ``--context`` random tokens: layer-0
+   attention-output error (the cache's error alone), logits error, argmax agreement
+   (:func:`kvlib.harness.cache_agreement`), PASS/FAIL against
+   :data:`kvlib.harness.AGREEMENT_LIMITS`;
+2. measures peak allocated memory, cache bytes, decode tokens/s and time to first token per
+   cache at that context (:func:`kvlib.harness.run_cache_comparison`, which times with
+   :func:`kvlib.eval.generation_benchmark`: warm-up, medians, ``cuda.synchronize``);
+3. finds what fits in an emulated smaller GPU (``--budget-gb``,
+   ``torch.cuda.set_per_process_memory_fraction``): longest context and largest batch per
+   cache, predicted by kvlib.memory and measured, out-of-memory caught
+   (:func:`kvlib.harness.what_fits`).
+
+It prints Markdown tables headed with the date and the device name, and stops starting new
+sections once ``--time-limit`` seconds have passed (the default keeps the whole run under
+5 minutes on an H100-class GPU). Exit status 1 when a correctness check fails or a section
+errors (the other sections still run), 2 when CUDA is missing without ``--dry-run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kvlib import harness, memory  # noqa: E402
+
+DEFAULT_CACHES = ("dynamic", "kvlib-int8", "kvlib-int4", "kvlib-int2", "quanto-int4")
+FIT_CACHES = ("dynamic", "kvlib-int8", "kvlib-int4", "kvlib-int2")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, seconds")
+    p.add_argument(
+        "--spec",
+        default=None,
+        help=f"kvlib.memory registry name (default {harness.DEFAULT_RANDOM_SPEC}; "
+        "smollm2-135m with --dry-run)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="fewer decoder layers (default: all)")
+    p.add_argument("--context", type=int, default=32768, help="prompt tokens (default 32768)")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per timed run")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per cache (median)")
+    p.add_argument("--caches", default=",".join(DEFAULT_CACHES), help="comma-separated names")
+    p.add_argument("--budget-gb", type=float, default=8.0, help="emulated GPU size, GB (1e9 B)")
+    p.add_argument("--batch-context", type=int, default=8192, help="context of the batch probe")
+    p.add_argument("--no-fits", action="store_true", help="skip the what-fits section")
+    p.add_argument("--time-limit", type=float, default=240.0, help="seconds; later sections skip")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.spec is None:
+        args.spec = "smollm2-135m" if args.dry_run else harness.DEFAULT_RANDOM_SPEC
+    if args.dry_run:  # tiny: the same code path in seconds on a CPU
+        args.layers = args.layers or 2
+        args.context = min(args.context, 256)
+        args.new_tokens = min(args.new_tokens, 4)
+        args.repeats = 1
+        args.batch_context = min(args.batch_context, 256)
+    return args
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "-" if n is None else memory.human_bytes(n)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def correctness_table(rows: list[harness.Agreement]) -> list[str]:
+    lines = [
+        "| cache | bits | layer-0 attention rel. err | logits rel. err | top-1 agreement "
+        "| limit | status |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        status = "reference" if r.passed is None else ("PASS" if r.passed else "FAIL")
+        if not r.cache.startswith("kvlib") and r.passed is not None:
+            status = f"{status} (peer)"
+        limit = "-" if r.limit is None else f"{r.limit:g}"
+        lines.append(
+            f"| {r.cache} | {r.bits} | {r.attention_rel_err:.4f} | {r.logits_rel_err:.4f} "
+            f"| {r.top1_agreement:.3f} | {limit} | {status} |"
+        )
+    return lines
+
+
+def speed_table(rows: list[harness.ComparisonRow]) -> list[str]:
+    base = next((r for r in rows if r.cache == "dynamic"), rows[0])
+    lines = [
+        "| cache | bits | cache bytes | vs dynamic | peak memory | decode tok/s | speed vs dynamic "
+        "| TTFT s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.cache} | {r.bits} | {_fmt_bytes(r.cache_bytes)} "
+            f"| {base.cache_bytes / r.cache_bytes:.2f}x smaller | {_fmt_bytes(r.peak_memory_bytes)} "
+            f"| {r.decode_tokens_per_s:.1f} | {r.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
+            f"| {r.time_to_first_token_s:.3f} |"
+        )
+    return lines
+
+
+def fits_table(rows: list[harness.FitRow]) -> list[str]:
+    def measured(value: int | None, resolution: int | None) -> str:
+        if value is None:
+            return "-"
+        if value == 0:
+            return "does not fit"
+        return f"{value}" + (f" (±{resolution})" if resolution else " (lower bound)")
+
+    lines = [
+        "| cache | bits | max context, predicted | measured | max batch @ ctx, predicted "
+        "| measured |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.cache} | {r.bits} | {r.predicted_max_context} "
+            f"| {measured(r.measured_max_context, r.context_resolution)} "
+            f"| {r.predicted_max_batch} | {measured(r.measured_max_batch, r.batch_resolution)} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.dry_run:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        print("gpu_check: no CUDA device; run with --dry-run for the CPU version", file=sys.stderr)
+        return 2
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    for name in caches:
+        harness.cache_info(name)  # fail early on a typo
+    shrink: dict[str, Any] = {"num_layers": args.layers}
+    if args.dry_run:
+        shrink.update(vocab_size=512, intermediate_size=256)
+    model = harness.random_model(args.spec, device=device, seed=args.seed, **shrink)
+    dtype = next(model.parameters()).dtype
+    dtype_bits = torch.finfo(dtype).bits
+    n_params = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=gen)
+
+    import transformers
+
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = [
+        f"## GPU check{' (dry run, CPU)' if args.dry_run else ''} · {now} · {_device_name(device)}",
+        "",
+        f"Command: `python scripts/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip()
+        + f" · torch {torch.__version__} · transformers {transformers.__version__}",
+        f"Model: random weights of `{args.spec}` ({model.config.num_hidden_layers} layers, "
+        f"{model.config.num_attention_heads} heads, {model.config.num_key_value_heads} KV heads, "
+        f"head_dim {model.config.head_dim}; {n_params / 1e9:.3f} B params, {str(dtype)[6:]}); "
+        f"context {args.context} random tokens, {args.new_tokens} new tokens, "
+        f"median of {args.repeats}. Quality numbers need real weights; these check agreement.",
+        "",
+    ]
+    print("\n".join(out), flush=True)
+    failed = False
+
+    def section(title: str, body: Any) -> None:
+        nonlocal failed
+        elapsed = time.perf_counter() - t_start
+        print(f"### {title}\n", flush=True)
+        if elapsed > args.time_limit:
+            print(f"_skipped: {elapsed:.0f} s elapsed > --time-limit {args.time_limit:.0f} s_\n")
+            return
+        try:
+            lines, ok = body()
+        except Exception:  # report and go on: the other sections still run
+            failed = True
+            print("```\n" + traceback.format_exc() + "```\n", flush=True)
+            return
+        failed = failed or not ok
+        print("\n".join(lines) + "\n", flush=True)
+
+    def correctness() -> tuple[list[str], bool]:
+        tail = 32 if args.dry_run else 64
+        chunk = 64 if args.dry_run else 4096
+        rows = harness.cache_agreement(model, ids, caches, tail=tail, chunk=chunk)
+        ok = all(r.passed is not False for r in rows if r.cache.startswith("kvlib"))
+        head = [
+            f"Chunked prefill of {args.context - tail} tokens ({chunk} per step), then the last "
+            f"{tail} tokens with each cache vs DynamicCache.",
+            "",
+        ]
+        return head + correctness_table(rows), ok
+
+    def speed() -> tuple[list[str], bool]:
+        rows = harness.run_cache_comparison(
+            model,
+            None,
+            caches,
+            prompt_tokens=args.context,
+            new_tokens=args.new_tokens,
+            prompt_ids=ids,
+            repeats=args.repeats,
+        )
+        kind = rows[0].memory_kind
+        head = [
+            f"Prompt {args.context} tokens in one prefill, {args.new_tokens} greedy tokens; peak "
+            f"memory = {'torch.cuda.max_memory_allocated (weights + cache + activations)' if kind == 'peak allocated' else 'n/a on CPU'}.",
+            "",
+        ]
+        return head + speed_table(rows), True
+
+    def fits() -> tuple[list[str], bool]:
+        budget = args.budget_gb * 1e9
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        fit_caches = [c for c in FIT_CACHES if c in caches] or caches[:1]
+        if args.dry_run:  # no allocator to hit: an accounting budget on the same code path
+            budget = weights + memory.kv_cache_bytes(
+                memory.spec_from_config(model.config), 2 * args.context, bits=dtype_bits
+            )
+            runner = harness.simulated_budget_runner(model, budget)
+            fit_caches = fit_caches[:: max(1, len(fit_caches) - 1)]  # first and last only
+            step, how = 64, "simulated (CPU: weights + bytes really held vs budget)"
+        else:
+            runner, step, how = None, 1024, "torch.cuda.set_per_process_memory_fraction"
+        rows = harness.what_fits(
+            model,
+            budget,
+            fit_caches,
+            batch_context=args.batch_context,
+            dtype_bits=dtype_bits,
+            runner=runner,
+            measure=True,
+            context_step=step,
+            max_probes=4,
+        )
+        head = [
+            f"Budget {memory.human_bytes(budget, binary=False)} ({how}), weights "
+            f"{memory.human_bytes(weights, binary=False)}; batch probed at {args.batch_context} "
+            f"tokens; context steps of {step}. Predicted = kvlib.memory (cache payload + "
+            "group metadata, no full-precision window, no activations).",
+            "",
+        ]
+        return head + fits_table(rows), True
+
+    section("Correctness against DynamicCache", correctness)
+    section("Memory and speed per cache", speed)
+    if not args.no_fits:
+        section("What fits", fits)
+    print(
+        f"_total {time.perf_counter() - t_start:.0f} s; {'FAILED' if failed else 'all checks passed'}_"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
