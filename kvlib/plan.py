@@ -340,9 +340,14 @@ def _resolve_spec(model: Any) -> memory.ModelSpec:
         return memory.get_spec(model)
     if hasattr(model, "num_hidden_layers") or isinstance(model, Mapping):
         return memory.spec_from_config(model)
+    if hasattr(model, "config") and callable(getattr(model, "parameters", None)):
+        # a loaded transformers model: its config, and its parameters counted
+        num_params = sum(int(p.numel()) for p in model.parameters())
+        name = getattr(model.config, "name_or_path", None) or None
+        return memory.spec_from_config(model.config, name=name, num_params=num_params)
     raise TypeError(
-        "model must be a registry name (str), a kvlib.memory.ModelSpec or a transformers config "
-        f"(got {type(model).__name__})"
+        "model must be a registry name (str), a kvlib.memory.ModelSpec, a transformers config "
+        f"or a transformers model (got {type(model).__name__})"
     )
 
 
@@ -814,8 +819,9 @@ def recommend(
     """Recommend a KV-cache configuration (rules in the module docstring).
 
     Args:
-        model: a registry name (``"llama-3.1-8b"``), a :class:`kvlib.memory.ModelSpec`, or a
-            transformers config.
+        model: a registry name (``"llama-3.1-8b"``), a :class:`kvlib.memory.ModelSpec`, a
+            transformers config (give it a parameter count: ``spec_from_config(config,
+            num_params=...)``), or a loaded transformers model (its parameters are counted).
         gpu_memory_gb: memory of one GPU (or of RAM for ``device="cpu"``) as labelled, in GB;
             GPU labels are binary (an "80 GB" H100 holds 80 GiB), so it is read as GiB.
             0 gives an ``"impossible"`` plan.

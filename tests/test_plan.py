@@ -280,3 +280,25 @@ _Not yet measured._
     assert plan.load_results(path) == tables
     with pytest.raises(ValueError, match="does not exist"):
         plan.load_results(tmp_path / "missing.md")
+
+
+def test_to_transformers_settings_run_in_generate(model, eval_ids):
+    """Each plan's transformers settings are accepted by generate() on the bundled model; with
+    a short prompt (inside the 128-token full-precision window) the tokens match fp16's."""
+    import torch
+
+    found: dict[str, plan.Plan] = {}
+    for gb in [1.35 + 0.0025 * i for i in range(200)]:
+        p = recommend(model, gb, 2048, concurrency=4, measurements={})
+        if p.fits and p.kv not in found:
+            found[p.kv] = p
+    assert set(found) == {"fp16", "int8", "int4"}
+    assert found["fp16"].spec.num_params == sum(p.numel() for p in model.parameters())
+    ids = eval_ids[:, :16]
+    ref = None
+    for kv in ("fp16", "int8", "int4"):
+        kwargs = found[kv].to_transformers()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=2, do_sample=False, **kwargs)
+        ref = out if ref is None else ref
+        assert torch.equal(out, ref), kv
