@@ -12,11 +12,23 @@ exactly what the KV cache stores and what attention multiplies.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LayerQKV", "capture_qkv", "capture_kv", "attention_output", "attention_output_error"]
+from kvlib.quant import KVRecipe, quantize_kv
+
+__all__ = [
+    "LayerQKV",
+    "capture_qkv",
+    "capture_kv",
+    "attention_output",
+    "attention_output_error",
+    "RecipeResult",
+    "evaluate_recipes",
+    "evaluate_recipe",
+]
 
 
 @dataclass(frozen=True)
@@ -80,8 +92,12 @@ def capture_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> list[LayerQK
     handles = [
         m.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, m in enumerate(mods)
     ]
+    # run the decoder without its LM head where there is one (the logits are not needed, and
+    # the vocabulary projection is a fifth of the model's FLOPs for a small model)
+    body = getattr(model, "model", None)
+    runner = body if isinstance(body, torch.nn.Module) else model
     try:
-        model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
+        runner(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -149,3 +165,74 @@ def attention_output_error(
     if denom == 0:
         return float(torch.linalg.vector_norm(approx - ref))
     return float(torch.linalg.vector_norm(approx - ref) / denom)
+
+
+@dataclass(frozen=True)
+class RecipeResult:
+    """A :class:`kvlib.quant.KVRecipe` judged on captured layers.
+
+    ``error`` is the mean over layers of :func:`attention_output_error`; ``bits_per_element``
+    counts every byte kept (packed codes, scales, zero points, float16 windows) over all layers'
+    keys and values.
+    """
+
+    recipe: KVRecipe
+    error: float
+    layer_errors: tuple[float, ...]
+    bits_per_element: float
+    nbytes: int
+
+    @property
+    def label(self) -> str:
+        return self.recipe.label
+
+
+def evaluate_recipes(
+    layers: Sequence[LayerQKV], recipes: Sequence[KVRecipe], n_queries: int | None = None
+) -> list[RecipeResult]:
+    """Apply each recipe to every layer's keys/values and measure attention-output error.
+
+    Args:
+        layers: from :func:`capture_qkv`; q ``(b, heads, s, d)``, k/v ``(b, kv_heads, s, d)``.
+        recipes: the :class:`~kvlib.quant.KVRecipe` s to compare.
+        n_queries: use only the last ``n_queries`` queries (decode-style: the newest tokens
+            reading the whole cache); ``None`` uses every position. Fewer queries is faster.
+
+    Returns:
+        One :class:`RecipeResult` per recipe, in order. The full-precision attention output of
+        each layer is computed once and shared by all recipes.
+    """
+    if not layers:
+        raise ValueError("layers must hold at least one LayerQKV")
+    if n_queries is not None and (
+        isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 1
+    ):
+        raise ValueError(f"n_queries must be a positive int or None (got {n_queries!r})")
+    for r in recipes:
+        if not isinstance(r, KVRecipe):
+            raise TypeError(f"recipes must be KVRecipe objects (got {type(r).__name__})")
+    qs = [layer.q if n_queries is None else layer.q[:, :, -n_queries:] for layer in layers]
+    refs = [attention_output(q, layer.k, layer.v) for q, layer in zip(qs, layers, strict=True)]
+    norms = [torch.linalg.vector_norm(ref) for ref in refs]
+    results = []
+    for recipe in recipes:
+        errors, nbytes, numel = [], 0, 0
+        for q, ref, norm, layer in zip(qs, refs, norms, layers, strict=True):
+            qkv = quantize_kv(layer.k, layer.v, recipe)
+            diff = torch.linalg.vector_norm(attention_output(q, qkv.keys, qkv.values) - ref)
+            errors.append(float(diff / norm) if norm > 0 else float(diff))
+            nbytes += qkv.nbytes
+            numel += qkv.numel
+        results.append(
+            RecipeResult(
+                recipe, sum(errors) / len(errors), tuple(errors), 8 * nbytes / numel, nbytes
+            )
+        )
+    return results
+
+
+def evaluate_recipe(
+    layers: Sequence[LayerQKV], recipe: KVRecipe, n_queries: int | None = None
+) -> RecipeResult:
+    """:func:`evaluate_recipes` for one recipe."""
+    return evaluate_recipes(layers, [recipe], n_queries)[0]

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlib.capture import attention_output, attention_output_error, capture_kv, capture_qkv
+from kvlib.capture import (
+    LayerQKV,
+    attention_output,
+    attention_output_error,
+    capture_kv,
+    capture_qkv,
+    evaluate_recipe,
+    evaluate_recipes,
+)
+from kvlib.quant import KVRecipe, quantize_kv
 
 
 def _reference_attention(q, k, v):
@@ -95,3 +104,43 @@ def test_capture_rejects_bad_ids(model):
         capture_qkv(model, torch.zeros(5, dtype=torch.long))
     with pytest.raises(TypeError, match="Llama-style"):
         capture_qkv(torch.nn.Linear(2, 2), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_evaluate_recipes_matches_attention_output_error(model, eval_ids):
+    layers = capture_qkv(model, eval_ids[:, :256])
+    recipes = [
+        KVRecipe(16),
+        KVRecipe(4, key_axis=-1, value_axis=-1),
+        KVRecipe(4, key_axis=-2, value_axis=-1, key_group_size=32, residual=32),
+        KVRecipe(2, key_axis=-1, value_axis=-1),
+    ]
+    results = evaluate_recipes(layers, recipes, n_queries=16)
+    assert [r.recipe for r in results] == recipes
+    for r in results:
+        assert len(r.layer_errors) == len(layers)
+        assert r.error == pytest.approx(sum(r.layer_errors) / len(layers))
+    # the same number as attention_output_error on quantize_kv's reconstructions
+    kivi = results[2]
+    for i in (0, 11, 29):
+        out = quantize_kv(layers[i].k, layers[i].v, kivi.recipe)
+        q = layers[i].q[:, :, -16:]
+        expected = attention_output_error(q, layers[i].k, layers[i].v, out.keys, out.values)
+        assert kivi.layer_errors[i] == pytest.approx(expected, rel=1e-4)
+    nbytes = sum(quantize_kv(layer.k, layer.v, kivi.recipe).nbytes for layer in layers)
+    assert kivi.nbytes == nbytes
+    assert kivi.bits_per_element == pytest.approx(8 * nbytes / (2 * 30 * 3 * 256 * 64))
+    fp16, naive4, kivi4, naive2 = (r.error for r in results)
+    assert fp16 < 0.01 and naive4 < naive2
+    # real keys have outlier channels: per-channel keys beat per-token ones at 4 bits
+    assert kivi4 < naive4
+    assert evaluate_recipe(layers, recipes[1], n_queries=16).error == pytest.approx(naive4)
+
+
+def test_evaluate_recipes_rejects_bad_input():
+    layer = LayerQKV(torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+    with pytest.raises(ValueError, match="at least one"):
+        evaluate_recipes([], [KVRecipe()])
+    with pytest.raises(ValueError, match="n_queries"):
+        evaluate_recipes([layer], [KVRecipe()], n_queries=0)
+    with pytest.raises(TypeError, match="KVRecipe"):
+        evaluate_recipes([layer], ["kivi"])
