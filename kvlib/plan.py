@@ -230,6 +230,19 @@ def _number(x: Any) -> float | None:
     return float(x)
 
 
+_PPL_KEYS = ("perplexity", "ppl")
+_DELTA_KEYS = ("perplexity_delta_pct", "ppl_delta_pct")
+_BYTES_KEYS = ("bytes_per_token", "cache_bytes")
+
+
+def _first_number(entry: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
+    for key in keys:
+        value = _number(entry.get(key))
+        if value is not None:
+            return value
+    return None
+
+
 def _cache_entry(setting: str, measurements: Mapping[str, Any]) -> Mapping[str, Any] | None:
     caches = measurements.get("caches") if measurements else None
     if not isinstance(caches, Mapping):
@@ -245,7 +258,9 @@ def measured_cost(setting: str, measurements: Mapping[str, Any] | None = None) -
     """Measured figures for a KV setting: ``perplexity``, ``perplexity_delta_pct`` (vs fp16) and
     ``bytes_ratio_vs_fp16``, whichever the measurements hold (``{}`` when none).
 
-    The delta is taken as stored, or computed from this setting's and fp16's perplexities.
+    The delta is taken as stored (``perplexity_delta_pct`` or ``ppl_delta_pct``), or computed
+    from this setting's and fp16's perplexities; the byte ratio as stored, or from both
+    entries' ``bytes_per_token`` (else ``cache_bytes``).
     """
     if setting not in KV_SETTINGS:
         raise ValueError(f"setting must be one of {', '.join(KV_SETTINGS)} (got {setting!r})")
@@ -254,18 +269,24 @@ def measured_cost(setting: str, measurements: Mapping[str, Any] | None = None) -
     entry = _cache_entry(setting, measurements)
     if entry is None:
         return {}
+    ref = _cache_entry("fp16", measurements) or {}
     out: dict[str, float] = {}
-    ppl = _number(entry.get("perplexity"))
+    ppl = _first_number(entry, _PPL_KEYS)
     if ppl is not None:
         out["perplexity"] = ppl
-    delta = _number(entry.get("perplexity_delta_pct"))
-    ref = _cache_entry("fp16", measurements)
-    ref_ppl = _number(ref.get("perplexity")) if ref is not None else None
+    delta = _first_number(entry, _DELTA_KEYS)
+    ref_ppl = _first_number(ref, _PPL_KEYS)
     if delta is None and ppl is not None and ref_ppl:
         delta = 100.0 * (ppl / ref_ppl - 1.0)
     if delta is not None:
         out["perplexity_delta_pct"] = 0.0 if setting == "fp16" else delta
-    ratio = _number(entry.get("bytes_ratio_vs_fp16"))
+    ratio = _first_number(entry, ("bytes_ratio_vs_fp16",))
+    if ratio is None:  # from the bytes of both caches, measured on the same text
+        for key in _BYTES_KEYS:
+            mine, theirs = _number(entry.get(key)), _number(ref.get(key))
+            if mine is not None and theirs:
+                ratio = mine / theirs
+                break
     if ratio is not None:
         out["bytes_ratio_vs_fp16"] = ratio
     return out

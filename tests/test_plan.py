@@ -302,3 +302,29 @@ def test_to_transformers_settings_run_in_generate(model, eval_ids):
             out = model.generate(ids, max_new_tokens=2, do_sample=False, **kwargs)
         ref = out if ref is None else ref
         assert torch.equal(out, ref), kv
+
+
+def test_measured_cost_reads_harness_field_names():
+    meas = {
+        "caches": {
+            "dynamic": {"ppl": 8.0, "bytes_per_token": 46080},
+            "kvlib-int8": {"ppl_delta_pct": 0.05, "bytes_per_token": 12960},
+            "kvlib-int2": {"ppl": 9.0, "cache_bytes": 10},
+        }
+    }
+    assert plan.measured_cost("fp16", meas) == {
+        "perplexity": 8.0,
+        "perplexity_delta_pct": 0.0,
+        "bytes_ratio_vs_fp16": 1.0,
+    }
+    assert plan.measured_cost("int8", meas) == pytest.approx(
+        {"perplexity_delta_pct": 0.05, "bytes_ratio_vs_fp16": 12960 / 46080}
+    )
+    # int2 has cache_bytes but fp16 does not: no ratio is made up
+    assert plan.measured_cost("int2", meas) == pytest.approx(
+        {"perplexity": 9.0, "perplexity_delta_pct": 12.5}
+    )
+    assert plan.measured_cost("int4", meas) == {}
+    assert "int4: quality cost not measured" in plan.quality_note("int4", meas)
+    with pytest.raises(ValueError, match="setting must be one of"):
+        plan.measured_cost("int5", meas)
