@@ -17,6 +17,7 @@ __all__ = [
     "reservation_map",
     "block_map",
     "serving_panels",
+    "series_lines",
 ]
 
 
@@ -268,3 +269,39 @@ def serving_panels(stats: Mapping[str, Any], *, axes: Any = None) -> Any:
     for ax in axes:
         ax.grid(True, alpha=0.3)
     return axes
+
+
+def series_lines(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    ax: Any = None,
+    xlabel: str = "context (tokens)",
+    ylabel: str = "",
+    bytes_y: bool = False,
+    logx: bool = False,
+    logy: bool = False,
+    title: str | None = None,
+) -> Any:
+    """One line with markers per named series, ``{name: (xs, ys)}`` — e.g. memory or tokens/s
+    against context length, one line per cache (notebook 07). ``bytes_y`` formats the y axis
+    as byte counts (:func:`bytes_formatter`)."""
+    if not series:
+        raise ValueError("series_lines() needs at least one series")
+    ax = _axes(ax)
+    for i, (name, (xs, ys)) in enumerate(series.items()):
+        if len(xs) != len(ys):
+            raise ValueError(f"series {name!r} has {len(xs)} x values but {len(ys)} y values")
+        ax.plot(list(xs), list(ys), marker="o", color=f"C{i % 10}", label=str(name))
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    if bytes_y:
+        ax.yaxis.set_major_formatter(bytes_formatter())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return ax

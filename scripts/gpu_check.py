@@ -202,35 +202,66 @@ def main(argv: list[str] | None = None) -> int:
         failed = failed or not ok
         print("\n".join(lines) + "\n", flush=True)
 
+    def per_cache(run: Any) -> tuple[list[Any], list[str], bool]:
+        """``run(name)`` for each cache on its own, so that one cache's error (a peer library
+        without its GPU kernels, say) is reported and the others still run."""
+        rows, errors, ok = [], [], True
+        for name in caches:
+            if time.perf_counter() - t_start > args.time_limit:
+                errors.append(f"- {name}: skipped (--time-limit)")
+                continue
+            try:
+                rows.extend(run(name))
+            except Exception as exc:  # noqa: BLE001 - reported, never hidden
+                errors.append(f"- {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                ok = ok and not name.startswith(("kvlib", "dynamic"))
+            harness.release_memory(device)
+        return rows, (["", "Errors:", *errors] if errors else []), ok
+
     def correctness() -> tuple[list[str], bool]:
         tail = 32 if args.dry_run else 64
         chunk = 64 if args.dry_run else 4096
-        rows = harness.cache_agreement(model, ids, caches, tail=tail, chunk=chunk)
-        ok = all(r.passed is not False for r in rows if r.cache.startswith("kvlib"))
+
+        def run(name: str) -> list[harness.Agreement]:
+            rows = harness.cache_agreement(model, ids, [name], tail=tail, chunk=chunk)
+            return rows
+
+        rows, errors, ok = per_cache(run)
+        ok = ok and all(r.passed is not False for r in rows if r.cache.startswith("kvlib"))
         head = [
             f"Chunked prefill of {args.context - tail} tokens ({chunk} per step), then the last "
             f"{tail} tokens with each cache vs DynamicCache.",
             "",
         ]
-        return head + correctness_table(rows), ok
+        return head + correctness_table(rows) + errors, ok
 
     def speed() -> tuple[list[str], bool]:
-        rows = harness.run_cache_comparison(
-            model,
-            None,
-            caches,
-            prompt_tokens=args.context,
-            new_tokens=args.new_tokens,
-            prompt_ids=ids,
-            repeats=args.repeats,
-        )
+        def run(name: str) -> list[harness.ComparisonRow]:
+            return harness.run_cache_comparison(
+                model,
+                None,
+                [name],
+                prompt_tokens=args.context,
+                new_tokens=args.new_tokens,
+                prompt_ids=ids,
+                repeats=args.repeats,
+            )
+
+        rows, errors, ok = per_cache(run)
+        if not rows:
+            return errors, False
         kind = rows[0].memory_kind
+        peak = (
+            "torch.cuda.max_memory_allocated (weights + cache + activations)"
+            if kind == "peak allocated"
+            else "n/a on CPU"
+        )
         head = [
-            f"Prompt {args.context} tokens in one prefill, {args.new_tokens} greedy tokens; peak "
-            f"memory = {'torch.cuda.max_memory_allocated (weights + cache + activations)' if kind == 'peak allocated' else 'n/a on CPU'}.",
+            f"Prompt {args.context} tokens in one prefill, {args.new_tokens} greedy tokens; "
+            f"peak memory = {peak}.",
             "",
         ]
-        return head + speed_table(rows), True
+        return head + speed_table(rows) + errors, ok
 
     def fits() -> tuple[list[str], bool]:
         budget = args.budget_gb * 1e9

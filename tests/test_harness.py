@@ -288,3 +288,20 @@ def test_gpu_check_dry_run(capsys):
         assert f"### {title}" in out
     assert out.count("| PASS |") >= 3  # kvlib int8 / int4 / int2 against DynamicCache
     assert "| dynamic | 32 | 0.0000 | 0.0000 | 1.000 | - | reference |" in out
+
+
+def test_series_lines_plot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlib.plot import series_lines
+
+    ax = series_lines({"a": ([1, 2], [3, 4]), "b": ([1, 2], [5, 6])}, bytes_y=True, logx=True)
+    assert [line.get_label() for line in ax.get_lines()] == ["a", "b"]
+    with pytest.raises(ValueError, match="x values"):
+        series_lines({"a": ([1, 2], [3])})
+    with pytest.raises(ValueError, match="at least one"):
+        series_lines({})
+    plt.close("all")
