@@ -73,6 +73,7 @@ __all__ = [
     "recommend",
     "load_measurements",
     "measured_cost",
+    "measured_caches",
     "MEASUREMENTS_ENV",
     "quality_note",
     "results_tables",
@@ -254,6 +255,29 @@ def _cache_entry(setting: str, measurements: Mapping[str, Any]) -> Mapping[str, 
     return None
 
 
+def _entry_cost(entry: Mapping[str, Any], ref: Mapping[str, Any], is_ref: bool) -> dict[str, float]:
+    out: dict[str, float] = {}
+    ppl = _first_number(entry, _PPL_KEYS)
+    if ppl is not None:
+        out["perplexity"] = ppl
+    delta = _first_number(entry, _DELTA_KEYS)
+    ref_ppl = _first_number(ref, _PPL_KEYS)
+    if delta is None and ppl is not None and ref_ppl:
+        delta = 100.0 * (ppl / ref_ppl - 1.0)
+    if delta is not None:
+        out["perplexity_delta_pct"] = 0.0 if is_ref else delta
+    ratio = _first_number(entry, ("bytes_ratio_vs_fp16",))
+    if ratio is None:  # from the bytes of both caches, measured on the same text
+        for key in _BYTES_KEYS:
+            mine, theirs = _number(entry.get(key)), _number(ref.get(key))
+            if mine is not None and theirs:
+                ratio = mine / theirs
+                break
+    if ratio is not None:
+        out["bytes_ratio_vs_fp16"] = ratio
+    return out
+
+
 def measured_cost(setting: str, measurements: Mapping[str, Any] | None = None) -> dict[str, float]:
     """Measured figures for a KV setting: ``perplexity``, ``perplexity_delta_pct`` (vs fp16) and
     ``bytes_ratio_vs_fp16``, whichever the measurements hold (``{}`` when none).
@@ -269,27 +293,23 @@ def measured_cost(setting: str, measurements: Mapping[str, Any] | None = None) -
     entry = _cache_entry(setting, measurements)
     if entry is None:
         return {}
+    return _entry_cost(entry, _cache_entry("fp16", measurements) or {}, setting == "fp16")
+
+
+def measured_caches(measurements: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
+    """:func:`measured_cost` for every cache in ``measurements["caches"]`` (kvlib's and
+    transformers' own), by the name it is stored under, in file order."""
+    if measurements is None:
+        measurements = load_measurements()
+    caches = measurements.get("caches") if measurements else None
+    if not isinstance(caches, Mapping):
+        return {}
     ref = _cache_entry("fp16", measurements) or {}
-    out: dict[str, float] = {}
-    ppl = _first_number(entry, _PPL_KEYS)
-    if ppl is not None:
-        out["perplexity"] = ppl
-    delta = _first_number(entry, _DELTA_KEYS)
-    ref_ppl = _first_number(ref, _PPL_KEYS)
-    if delta is None and ppl is not None and ref_ppl:
-        delta = 100.0 * (ppl / ref_ppl - 1.0)
-    if delta is not None:
-        out["perplexity_delta_pct"] = 0.0 if setting == "fp16" else delta
-    ratio = _first_number(entry, ("bytes_ratio_vs_fp16",))
-    if ratio is None:  # from the bytes of both caches, measured on the same text
-        for key in _BYTES_KEYS:
-            mine, theirs = _number(entry.get(key)), _number(ref.get(key))
-            if mine is not None and theirs:
-                ratio = mine / theirs
-                break
-    if ratio is not None:
-        out["bytes_ratio_vs_fp16"] = ratio
-    return out
+    return {
+        name: _entry_cost(entry, ref, entry is ref)
+        for name, entry in caches.items()
+        if isinstance(entry, Mapping)
+    }
 
 
 def _fmt_pct(x: float) -> str:

@@ -325,6 +325,10 @@ def test_measured_cost_reads_harness_field_names():
         {"perplexity": 9.0, "perplexity_delta_pct": 12.5}
     )
     assert plan.measured_cost("int4", meas) == {}
+    every = plan.measured_caches(meas)
+    assert list(every) == ["dynamic", "kvlib-int8", "kvlib-int2"]
+    assert every["kvlib-int8"] == plan.measured_cost("int8", meas)
+    assert every["dynamic"]["perplexity_delta_pct"] == 0.0 and plan.measured_caches({}) == {}
     assert "int4: quality cost not measured" in plan.quality_note("int4", meas)
     with pytest.raises(ValueError, match="setting must be one of"):
         plan.measured_cost("int5", meas)
