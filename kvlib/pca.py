@@ -19,7 +19,8 @@ Pieces:
 * :class:`KVTCCodec` — ``encode(DynamicCache) -> bytes`` and ``decode(bytes) -> DynamicCache``.
   The first ``sink_tokens`` and the last ``recent_tokens`` stay uncompressed (fp16).
 * :func:`prefill_cache`, :func:`continuation_perplexity` — the evaluation protocol: prefill a
-  prefix, encode/decode its cache, score the next tokens reading the decoded cache.
+  prefix, encode/decode its cache, score the next tokens reading the decoded cache (forward
+  passes go through :mod:`kvlib.compat`, captures through :mod:`kvlib.capture`).
 
 Tensor shapes follow transformers: a layer's keys/values are ``(batch, kv_heads, seq_len,
 head_dim)``. A *feature vector* is one token's keys (or values) of a block of layers, flattened
@@ -40,6 +41,8 @@ from typing import Any
 
 import torch
 
+from kvlib import capture as _capture
+from kvlib import compat
 from kvlib.bitalloc import allocate_bits, convexify
 
 __all__ = [
@@ -51,7 +54,7 @@ __all__ = [
     "rope_parameters",
     "fit_kv_pca",
     "fit_basis",
-    "capture_kv",
+    "calibration_kv",
     "prefill_cache",
     "clone_cache",
     "cache_tensors",
@@ -188,38 +191,34 @@ def rope_parameters(model: Any) -> tuple[torch.Tensor, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def _forward(model: Any, input_ids: torch.Tensor, cache: Any) -> Any:
-    return model(input_ids=input_ids, cache=cache, use_cache=True)
-
-
-def _check_ids(input_ids: Any, name: str = "input_ids") -> torch.Tensor:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(
-            f"{name} must be a (batch, seq_len) tensor of token ids with seq_len >= 1 "
-            f"(got {getattr(input_ids, 'shape', type(input_ids).__name__)})"
+def _check_ids(input_ids: Any, name: str, min_len: int = 1) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of token ids (got {type(input_ids).__name__})"
         )
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{name} must hold integer token ids (got dtype {input_ids.dtype})")
+    if input_ids.ndim != 2 or input_ids.shape[1] < min_len:
+        raise ValueError(
+            f"{name} must be a (batch, seq_len) tensor of token ids with seq_len >= {min_len} "
+            f"(got shape {tuple(input_ids.shape)})"
+        )
     return input_ids
 
 
-@torch.no_grad()
 def prefill_cache(model: Any, input_ids: torch.Tensor, chunk_size: int | None = None) -> Any:
     """Run ``input_ids`` ``(batch, seq_len)`` through the model; return the filled DynamicCache.
 
-    ``chunk_size`` feeds the prefix in pieces (same cache, less peak memory).
+    ``chunk_size`` feeds the prefix in pieces (same cache, less peak memory). Forward passes go
+    through :func:`kvlib.compat.forward`.
     """
-    from transformers import DynamicCache
-
-    ids = _check_ids(input_ids)
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    cache = DynamicCache(config=model.config)
-    step = ids.shape[1] if chunk_size is None else int(chunk_size)
-    if step <= 0:
+    ids = _check_ids(input_ids, "input_ids")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0
+    ):
         raise ValueError(f"chunk_size must be a positive int or None (got {chunk_size!r})")
+    cache = compat.dynamic_cache(model.config)
+    step = ids.shape[1] if chunk_size is None else chunk_size
     for start in range(0, ids.shape[1], step):
-        _forward(model, ids[:, start : start + step], cache)
+        compat.forward(model, ids[:, start : start + step], cache)
     return cache
 
 
@@ -265,7 +264,6 @@ def clone_cache(cache: Any) -> Any:
     return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in cache_tensors(cache)])
 
 
-@torch.no_grad()
 def continuation_perplexity(
     model: Any, cache: Any, next_ids: torch.Tensor, chunk_size: int = 64
 ) -> float:
@@ -280,19 +278,15 @@ def continuation_perplexity(
     Returns:
         ``exp(mean negative log-likelihood)`` over the ``n - 1`` scored tokens.
     """
-    ids = _check_ids(next_ids, "next_ids")
-    if ids.shape[1] < 2:
-        raise ValueError(f"next_ids must have at least 2 tokens (got {ids.shape[1]})")
+    ids = _check_ids(next_ids, "next_ids", min_len=2)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int (got {chunk_size!r})")
-    device = next(model.parameters()).device
-    ids = ids.to(device)
     nll = torch.zeros((), dtype=torch.float64)
     count = 0
     prev_logits: torch.Tensor | None = None
     for start in range(0, ids.shape[1], chunk_size):
-        chunk = ids[:, start : start + chunk_size]
-        logits = _forward(model, chunk, cache).logits.float()
+        chunk = ids[:, start : start + chunk_size].to(model.device)
+        logits = compat.forward(model, chunk, cache).logits.float()
         if prev_logits is not None:  # the first token of this chunk, predicted by the last one
             logits_all = torch.cat([prev_logits, logits[:, :-1]], dim=1)
             targets = chunk
@@ -314,20 +308,19 @@ def continuation_perplexity(
     return float(torch.exp(nll / count))
 
 
-@torch.no_grad()
-def capture_kv(
+def calibration_kv(
     model: Any,
     tokenizer: Any,
     texts: str | Sequence[str],
-    max_tokens: int = 4096,
+    max_tokens: int = 8192,
     chunk_len: int = 512,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Keys/values of calibration text: ``[(keys, values), …]`` per layer.
 
     The text is tokenized and cut into chunks of ``chunk_len`` tokens, each run from position 0
-    with a fresh cache (so positions are ``0..chunk_len-1``). Returns per layer
-    ``(n_chunks, kv_heads, chunk_len, head_dim)`` float32 tensors on the CPU (keys post-RoPE, as
-    in the cache).
+    (so positions are ``0..chunk_len-1``) through :func:`kvlib.capture.capture_kv`. Returns per
+    layer ``(n_chunks, kv_heads, chunk_len, head_dim)`` float32 tensors on the CPU (keys
+    post-RoPE, as the cache holds them).
     """
     if isinstance(texts, str):
         texts = [texts]
@@ -336,24 +329,26 @@ def capture_kv(
     for name, val in (("max_tokens", max_tokens), ("chunk_len", chunk_len)):
         if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name} must be a positive int (got {val!r})")
-    ids = torch.cat(
-        [tokenizer(t, return_tensors="pt").input_ids[0] for t in texts if t.strip()], dim=0
-    )[:max_tokens]
+    pieces = [tokenizer(t, return_tensors="pt").input_ids[0] for t in texts if t.strip()]
+    if not pieces:
+        raise ValueError("calibration texts are empty")
+    ids = torch.cat(pieces)[:max_tokens]
     n_chunks = ids.numel() // chunk_len
     if n_chunks == 0:
         raise ValueError(
             f"calibration text gives {ids.numel()} tokens, fewer than one chunk of {chunk_len}"
         )
-    device = next(model.parameters()).device
+    # The decoder stack alone (no lm_head over the vocabulary) gives the same keys and values.
+    base = getattr(model, "model", None)
+    runner = base if isinstance(base, torch.nn.Module) else model
     per_layer: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
     for c in range(n_chunks):
-        chunk = ids[c * chunk_len : (c + 1) * chunk_len][None].to(device)
-        cache = prefill_cache(model, chunk)
-        for i, (k, v) in enumerate(cache_tensors(cache)):
+        chunk = ids[c * chunk_len : (c + 1) * chunk_len][None]
+        for i, (k, v) in enumerate(_capture.capture_kv(runner, chunk)):
             if len(per_layer) <= i:
                 per_layer.append(([], []))
-            per_layer[i][0].append(k.float().cpu())
-            per_layer[i][1].append(v.float().cpu())
+            per_layer[i][0].append(k.cpu())
+            per_layer[i][1].append(v.cpu())
     return [(torch.cat(ks), torch.cat(vs)) for ks, vs in per_layer]
 
 
@@ -604,34 +599,86 @@ class KVPCABasis:
             ) from None
 
 
-def _pca(
-    x: torch.Tensor, max_components: int | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """Mean, components ``(dim, r)``, variances ``(r,)`` and residual variance of ``x`` ``(n, dim)``."""
-    n, dim = x.shape
-    mean = x.mean(dim=0)
-    xc = (x - mean).double()
-    total = float((xc * xc).sum()) / max(n - 1, 1)
-    if dim <= n:
-        cov = xc.T @ xc / max(n - 1, 1)
-        evals, evecs = torch.linalg.eigh(cov)
-    else:  # fewer samples than features: eigen-decompose the Gram matrix instead
-        gram = xc @ xc.T / max(n - 1, 1)
-        evals, u = torch.linalg.eigh(gram)
-        evecs = xc.T @ u
-        evecs = evecs / evecs.norm(dim=0).clamp_min(1e-30)
-    order = torch.argsort(evals, descending=True)
-    evals, evecs = evals[order].clamp_min(0.0), evecs[:, order]
-    r = min(dim, n - 1 if n > 1 else 1)
-    if max_components is not None:
-        r = min(r, max_components)
-    keep = evals[:r]
-    return (
-        mean.float(),
-        evecs[:, :r].float().contiguous(),
-        keep.float(),
-        max(total - float(keep.sum()), 0.0),
-    )
+def _top_eigh(
+    cov: torch.Tensor, k: int, niter: int = 1, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` eigenpairs of a symmetric PSD ``cov`` ``(d, d)``, by decreasing eigenvalue.
+
+    Small or nearly full-rank requests use ``torch.linalg.eigh`` (float64 up to d = 1536,
+    float32 above). Otherwise randomized subspace iteration (Halko, Martinsson & Tropp 2011):
+    ``niter`` power steps on a ``k + 64`` column block in float32, then an exact Rayleigh–Ritz
+    step (a small float64 eigh) — ``O(d² k)`` instead of ``O(d³)``.
+
+    Returns:
+        ``(evals (k,), evecs (d, k))``, float64 / float32.
+    """
+    d = cov.shape[0]
+    if k >= d // 2 or d <= 1536:
+        work = cov.double() if d <= 1536 else cov.float()
+        evals, evecs = torch.linalg.eigh(work)
+        order = torch.argsort(evals, descending=True)[:k]
+        return evals[order].double(), evecs[:, order].float()
+    c32 = cov.float()
+    p = min(d, k + 64)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(c32 @ torch.randn(d, p, generator=g)).Q
+    for _ in range(niter):
+        q = torch.linalg.qr(c32 @ q).Q
+    small = (q.T @ (c32 @ q)).double()
+    evals, u = torch.linalg.eigh((small + small.T) / 2)  # eigh reads one triangle only
+    order = torch.argsort(evals, descending=True)[:k]
+    return evals[order], (q.double() @ u[:, order]).float()
+
+
+class _Moments:
+    """Running mean and covariance of feature rows, accumulated chunk by chunk.
+
+    Rows are shifted by the first chunk's mean; each chunk's ``Xᵀ X`` is added into a float32
+    buffer (``addmm``, no temporaries) that is flushed into float64 sums every few chunks, so
+    large means cost no precision and no ``(n, d)`` matrix of all calibration tokens is held.
+    """
+
+    FLUSH_EVERY = 4
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.chunks = 0
+        self.shift: torch.Tensor | None = None
+        self.s1: torch.Tensor | None = None
+        self.s2: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.float()
+        if self.shift is None:
+            self.shift = x.mean(dim=0)
+            self.s1 = torch.zeros(x.shape[1], dtype=torch.float64)
+            self.s2 = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+            self.buf = torch.zeros(x.shape[1], x.shape[1])
+        assert self.s1 is not None and self.buf is not None
+        xc = x - self.shift
+        self.s1 += xc.sum(dim=0, dtype=torch.float64)
+        self.buf.addmm_(xc.T, xc)
+        self.n += x.shape[0]
+        self.chunks += 1
+        if self.chunks % self.FLUSH_EVERY == 0:
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self.s2 is not None and self.buf is not None
+        self.s2 += self.buf
+        self.buf.zero_()
+
+    def mean_cov(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean (d,) float32, covariance (d, d) float64)`` (the biased, 1/n estimate)."""
+        if self.shift is None:
+            raise ValueError("no calibration rows were added")
+        self._flush()
+        assert self.s1 is not None and self.s2 is not None
+        m = self.s1 / self.n
+        cov = self.s2 / self.n
+        cov -= torch.outer(m, m)
+        return (m + self.shift.double()).float(), cov
 
 
 def _quantize(z: torch.Tensor, bits: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
@@ -653,25 +700,64 @@ def _dequantize(codes: torch.Tensor, bits: torch.Tensor, clip: torch.Tensor) -> 
 
 
 def _calibrate_quantizer(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip range (in σ) and normalised MSE for b = 0..8 bits, from normalised coefficients ``z``."""
-    z = z.flatten().double()
-    if z.numel() > 400_000:
-        z = z[torch.randperm(z.numel(), generator=torch.Generator().manual_seed(0))[:400_000]]
-    grid = torch.linspace(0.5, 12.0, 116, dtype=torch.float64)
-    clip = torch.zeros(MAX_BITS + 1, dtype=torch.float64)
+    """Clip range (in σ) and normalised MSE ``c(b)`` for b = 0..8 bits.
+
+    Args:
+        z: ``(n,)`` sample of coefficients, each divided by its component's std.
+    """
+    z = z.flatten().float()
+    grid = torch.linspace(0.5, 10.0, 96)
+    clip = torch.zeros(MAX_BITS + 1)
     dist = torch.zeros(MAX_BITS + 1, dtype=torch.float64)
-    dist[0] = float((z * z).mean())
+    dist[0] = float((z.double() ** 2).mean())
     for b in range(1, MAX_BITS + 1):
-        errs = []
-        for a in grid:
-            bb = torch.full((1,), b, dtype=torch.int64)
-            q = _dequantize(_quantize(z[:, None], bb, a.view(1)), bb, a.view(1))[:, 0]
-            errs.append(float(((q - z) ** 2).mean()))
-        i = int(torch.tensor(errs).argmin())
+        bb = torch.full((1,), b, dtype=torch.int64)
+        a = grid[:, None]  # every clip candidate at once: (grid, n)
+        q = _dequantize(_quantize(z[None, :], bb, a), bb, a)
+        errs = ((q - z[None, :]) ** 2).double().mean(dim=1)
+        i = int(errs.argmin())
         clip[b], dist[b] = grid[i], errs[i]
     # Normalise so that c(0) = 1 exactly (the variance of the coefficient itself).
-    dist = dist / dist[0]
-    return clip.float(), convexify(dist)
+    return clip, convexify(dist / dist[0])
+
+
+def _sample_coefficients(
+    zs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], n: int = 20_000
+) -> torch.Tensor:
+    """``(n,)`` normalised coefficients drawn with probability ∝ their component's variance.
+
+    The codec's total error sums ``σ_j² · c(b_j)`` over components, so the distortion table
+    that predicts it best is the variance-weighted one; sampling by weight gives it from a
+    small 1-D sample. ``zs``: per block ``(rows, r)``; ``weights``: per block ``(r,)``.
+    """
+    g = torch.Generator().manual_seed(0)
+    w = torch.cat([x.double() for x in weights])
+    col = torch.multinomial(w / w.sum(), n, replacement=True, generator=g)
+    offsets = torch.cumsum(torch.tensor([0] + [z.shape[1] for z in zs[:-1]]), 0)
+    block = torch.searchsorted(offsets, col, right=True) - 1
+    out = torch.empty(n)
+    for bi, z in enumerate(zs):
+        sel = torch.nonzero(block == bi).flatten()
+        if sel.numel():
+            rows = torch.randint(0, z.shape[0], (sel.numel(),), generator=g)
+            out[sel] = z[rows, col[sel] - offsets[bi]].float()
+    return out
+
+
+def _pieces(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
+) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+    """Split captured layers into single sequences (halves when there is only one)."""
+    batch, seq = layers[0][0].shape[0], layers[0][0].shape[2]
+    if batch >= 2:
+        return [
+            ([(k[i : i + 1], v[i : i + 1]) for k, v in layers], positions) for i in range(batch)
+        ]
+    half = seq // 2
+    return [
+        ([(k[:, :, sl], v[:, :, sl]) for k, v in layers], positions[sl])
+        for sl in (slice(0, half), slice(half, seq))
+    ]
 
 
 def fit_basis(
@@ -682,23 +768,39 @@ def fit_basis(
     attention_scaling: float = 1.0,
     skip_tokens: int = 0,
     max_components: int | None = None,
+    holdout_every: int = 4,
 ) -> KVPCABasis:
     """Fit a :class:`KVPCABasis` on captured keys/values.
 
+    The calibration sequences are split: every ``holdout_every``-th one (the last one when
+    there are fewer) is held out. The components come from the covariance of the others; the
+    component variances, the residual variance and the quantizer's distortion table are then
+    *measured on the held-out sequences*. Variances taken from the same tokens that chose the
+    components are biased low in the tail (with fewer tokens than features, the tail is
+    exactly zero), which made the predicted error too optimistic.
+
     Args:
-        layers: per layer ``(keys, values)``, ``(batch, kv_heads, seq_len, head_dim)`` (keys
-            post-RoPE if ``inv_freq`` is given).
+        layers: per layer ``(keys, values)``, ``(batch, kv_heads, seq_len, head_dim)`` with
+            one calibration sequence per batch row (keys post-RoPE if ``inv_freq`` is given).
+            With ``batch == 1`` the sequence is cut in two halves.
         positions: ``(seq_len,)`` positions (default ``0..seq_len-1``).
         cross_layer: one block across all layers and heads, or one block per layer.
         inv_freq: rotary inverse frequencies; if given, keys are de-rotated before PCA and the
             codec re-rotates them after decoding. ``None``: keys are used as they are.
         skip_tokens: leave out the first tokens of every sequence (attention sinks, which the
             codec never compresses; their outlier keys/values would distort the basis).
-        max_components: keep at most this many components per block.
+        max_components: keep at most this many components per block (``None``: all). Below
+            half a block's size the top components come from randomized subspace iteration.
+        holdout_every: hold out one calibration sequence in this many (>= 2).
     """
     if not isinstance(layers, Sequence) or not layers:
         raise ValueError("layers must be a non-empty list of (keys, values) per layer")
-    batch, heads, seq, hd = layers[0][0].shape
+    if not all(isinstance(kv, tuple | list) and len(kv) == 2 for kv in layers):
+        raise ValueError("layers must hold one (keys, values) pair per layer")
+    k0 = layers[0][0]
+    if not isinstance(k0, torch.Tensor) or k0.ndim != 4:
+        raise ValueError("keys must be (batch, kv_heads, seq_len, head_dim) tensors")
+    batch, heads, seq, hd = k0.shape
     for i, (k, v) in enumerate(layers):
         if k.shape != (batch, heads, seq, hd) or v.shape != k.shape:
             raise ValueError(
@@ -710,30 +812,63 @@ def fit_basis(
         or not 0 <= skip_tokens < seq
     ):
         raise ValueError(f"skip_tokens must be an int in 0..{seq - 1} (got {skip_tokens!r})")
+    if max_components is not None and (
+        isinstance(max_components, bool)
+        or not isinstance(max_components, int)
+        or max_components <= 0
+    ):
+        raise ValueError(f"max_components must be a positive int or None (got {max_components!r})")
+    if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
+        raise ValueError(f"holdout_every must be an int >= 2 (got {holdout_every!r})")
     if positions is None:
         positions = torch.arange(seq)
+    if batch == 1 and seq - skip_tokens < 4:
+        raise ValueError("one calibration sequence must hold at least 4 tokens after skip_tokens")
     num_layers = len(layers)
     blocks = [list(range(num_layers))] if cross_layer else [[i] for i in range(num_layers)]
     basis = KVPCABasis(
         num_layers=num_layers, kv_heads=heads, head_dim=hd, blocks=blocks, means=[], components=[],
         variances=[], residual=[], unit_distortion=torch.ones(MAX_BITS + 1, dtype=torch.float64),
         clip=torch.ones(MAX_BITS + 1), inv_freq=None if inv_freq is None else inv_freq.float().cpu(),
-        attention_scaling=float(attention_scaling), calib_tokens=batch * (seq - skip_tokens),
+        attention_scaling=float(attention_scaling),
     )  # fmt: skip
     kept = [(k[:, :, skip_tokens:], v[:, :, skip_tokens:]) for k, v in layers]
-    feats = basis.features(kept, positions[skip_tokens:])
-    zs = []
-    for f in feats:
-        mean, comps, var, res = _pca(f, max_components)
+    pieces = _pieces(kept, positions[skip_tokens:])
+    held = [i for i in range(len(pieces)) if i % holdout_every == holdout_every - 1]
+    if not held:
+        held = [len(pieces) - 1]
+    nblocks = 2 * len(blocks)
+    moments = [_Moments() for _ in range(nblocks)]
+    val: list[list[torch.Tensor]] = [[] for _ in range(nblocks)]
+    for i, (piece, pos) in enumerate(pieces):
+        for b, f in enumerate(basis.features(piece, pos)):
+            if i in held:
+                val[b].append(f)
+            else:
+                moments[b].add(f)
+    zs, ws = [], []
+    for b in range(nblocks):
+        mean, cov = moments[b].mean_cov()
+        dim = cov.shape[0]
+        r = min(dim, moments[b].n - 1) if moments[b].n > 1 else 1
+        if max_components is not None:
+            r = min(r, max_components)
+        _, comps = _top_eigh(cov, r)
+        xv = torch.cat(val[b]) - mean
+        coef = xv @ comps
+        var = (coef * coef).mean(dim=0).double()
+        total = float((xv.double() ** 2).sum(dim=1).mean())
+        order = torch.argsort(var, descending=True)  # by held-out variance
+        comps, coef, var = comps[:, order].contiguous(), coef[:, order], var[order]
         basis.means.append(mean)
         basis.components.append(comps)
-        basis.variances.append(var)
-        basis.residual.append(res)
-        sub = f[: min(f.shape[0], 2048)]
-        zs.append(((sub - mean) @ comps) / var.clamp_min(1e-20).sqrt())
-    # Quantizer calibration on the coefficients that carry energy (top components of each block).
-    z = torch.cat([zz[:, : max(1, zz.shape[1] // 4)].flatten() for zz in zs])
-    basis.clip, basis.unit_distortion = _calibrate_quantizer(z)
+        basis.variances.append(var.float())
+        basis.residual.append(max(total - float(var.sum()), 0.0))
+        zs.append(coef / var.float().clamp_min(1e-20).sqrt())
+        ws.append(var)
+    basis.calib_tokens = sum(m.n for m in moments) // nblocks
+    basis.meta["heldout_tokens"] = sum(v.shape[0] for v in val[0])
+    basis.clip, basis.unit_distortion = _calibrate_quantizer(_sample_coefficients(zs, ws))
     return basis
 
 
@@ -742,10 +877,10 @@ def fit_kv_pca(
     tokenizer: Any,
     texts: str | Sequence[str],
     cross_layer: bool = True,
-    max_tokens: int = 4096,
+    max_tokens: int = 8192,
     chunk_len: int = 512,
     sink_tokens: int = 4,
-    max_components: int | None = None,
+    max_components: int | None = 2048,
     undo_rope: bool = True,
 ) -> KVPCABasis:
     """Calibrate a PCA basis for ``model``'s keys and values on ``texts``.
@@ -755,7 +890,10 @@ def fit_kv_pca(
             ``kvlib.data.split_text(load_eval_text(), 0.5)[0]``).
         cross_layer: ``True``: one basis across all layers and heads (what KVTC does);
             ``False``: one per layer.
-        max_tokens: calibration tokens used (cut into ``chunk_len`` chunks from position 0).
+        max_tokens: calibration tokens used (cut into ``chunk_len`` chunks from position 0);
+            one chunk in four is held out to measure variances (see :func:`fit_basis`). Use
+            more tokens than features per block (``num_layers · kv_heads · head_dim`` for
+            ``cross_layer``) for a well-estimated basis.
         sink_tokens: first tokens of every chunk left out of the fit (they stay uncompressed).
         max_components: cap on components per block (``None``: as many as the data allows).
         undo_rope: de-rotate keys before PCA (recommended; see notebook 05).
@@ -763,7 +901,7 @@ def fit_kv_pca(
     Returns:
         A :class:`KVPCABasis` on the CPU.
     """
-    layers = capture_kv(model, tokenizer, texts, max_tokens=max_tokens, chunk_len=chunk_len)
+    layers = calibration_kv(model, tokenizer, texts, max_tokens=max_tokens, chunk_len=chunk_len)
     inv_freq, scaling = rope_parameters(model) if undo_rope else (None, 1.0)
     basis = fit_basis(
         layers, cross_layer=cross_layer, inv_freq=inv_freq, attention_scaling=scaling,
