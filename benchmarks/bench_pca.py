@@ -1,0 +1,190 @@
+"""PCA transform coding (kvlib.pca, KVTC-style) vs kvlib's integer caches: rate vs perplexity.
+
+    .venv/bin/python benchmarks/bench_pca.py           # 1536-token prefix + 512 scored tokens
+    .venv/bin/python benchmarks/bench_pca.py --quick   # 768 + 256, fewer points, 1 repeat
+
+Protocol (issue 5): fit the bases on the first half of the evaluation corpus
+(``kvlib.data.split_text``), take a prefix from the second half, prefill it into a DynamicCache,
+``encode`` it, ``decode`` it, then score the next tokens chunk by chunk (64 at a time) reading
+the decoded cache (``kvlib.pca.continuation_perplexity``), against the same continuation read
+from the uncompressed cache. Compression = fp16 bytes of the prefix cache / real encoded bytes
+(header, fp16 sink + recent window, entropy-coded codes, checksum). Encode and decode times are
+medians after a warm-up.
+
+Integer rows: ``kvlib.cache.QuantizedKVCache(config, bits=b)`` (KIVI layout, 4 sinks, 128-token
+fp16 window) — the prefix is prefilled into it and the continuation is fed into the same cache,
+so the continuation is quantized as it goes; bytes are ``nbytes()`` vs ``fp16_nbytes()`` after
+the prefix. "prefix-only" rows store just the prefix with the same layout
+(``kvlib.quant.quantize_kv``) and continue in full precision — exactly the PCA protocol.
+
+Bases are cached in ``kvlib.models.cache_dir() / "pca"`` (keyed by their settings) so reruns
+skip calibration; ``--refit`` fits them again and reports the fit time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+import kvlib
+from kvlib import pca
+from kvlib.models import cache_dir, load_model
+from kvlib.quant import KVRecipe, quantize_kv
+
+TARGET_RATIO, TARGET_DELTA = 8.0, 5.0
+
+
+def basis_for(model, tokenizer, calib: str, cross: bool, tokens: int, refit: bool):
+    path = cache_dir() / "pca" / f"smollm2-135m-{'cross' if cross else 'per'}-{tokens}.safetensors"
+    if path.is_file() and not refit:
+        return pca.KVPCABasis.load(path), None
+    t0, c0 = time.perf_counter(), time.process_time()
+    basis = pca.fit_kv_pca(model, tokenizer, calib, cross_layer=cross, max_tokens=tokens)
+    fit = (time.perf_counter() - t0, time.process_time() - c0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    basis.save(path)
+    return basis, fit
+
+
+def median_s(fn, repeats: int):
+    out = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="shorter texts, fewer points")
+    ap.add_argument("--refit", action="store_true", help="fit the bases even if cached")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    kvlib.seed_everything(0)
+    prefix_len, next_len = (768, 256) if args.quick else (1536, 512)
+    repeats = args.repeats or (1 if args.quick else 3)
+    targets_cross = [16, 32, 64] if args.quick else [12, 16, 24, 32, 48, 64]
+    targets_per = [16, 32] if args.quick else [8, 16, 32]
+    calib_tokens = 8192
+
+    model, tokenizer = load_model()
+    calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
+    ids = tokenizer(evaluation[:60_000], return_tensors="pt").input_ids
+    ids = ids[:, : prefix_len + next_len]
+    assert evaluation[:20_000] not in calib  # disjoint calibration / evaluation text
+    prefix, nxt = ids[:, :prefix_len], ids[:, prefix_len:]
+
+    bases = {}
+    for cross in (True, False):
+        basis, fit = basis_for(model, tokenizer, calib, cross, calib_tokens, args.refit)
+        bases[cross] = basis
+        name = "cross-layer" if cross else "per-layer"
+        fit_s = f"fit {fit[0]:.1f} s wall / {fit[1]:.1f} s CPU" if fit else "loaded from cache"
+        print(
+            f"{name} basis: {sum(v.numel() for v in basis.variances)} components, "
+            f"{basis.nbytes() / 1e6:.1f} MB (stored once per model, not per conversation), "
+            f"{basis.calib_tokens} fit + {basis.meta.get('heldout_tokens')} held-out calibration "
+            f"tokens; {fit_s}"
+        )
+
+    cache = pca.prefill_cache(model, prefix, chunk_size=256)
+    fp16 = 2 * sum(k.numel() + v.numel() for k, v in pca.cache_tensors(cache))
+    ref = pca.continuation_perplexity(model, pca.clone_cache(cache), nxt)
+    rows = [("fp16 (uncompressed)", 1.0, ref, float("nan"), float("nan"), "", "")]
+
+    for cross, targets in ((True, targets_cross), (False, targets_per)):
+        for target in targets:
+            codec = pca.KVTCCodec(bases[cross], compression=float(target))
+            enc_s, data = median_s(lambda codec=codec: codec.encode(cache), repeats)
+            dec_s, out = median_s(lambda codec=codec, data=data: codec.decode(data), repeats)
+            measured = 0.0
+            n = 0
+            for (k, v), (k2, v2) in zip(
+                pca.cache_tensors(cache), pca.cache_tensors(out), strict=True
+            ):
+                sl = slice(codec.sink_tokens, prefix_len - codec.recent_tokens)
+                measured += float(((k - k2)[:, :, sl] ** 2).sum() + ((v - v2)[:, :, sl] ** 2).sum())
+                n += 2 * k[:, :, sl].numel()
+            ppl = pca.continuation_perplexity(model, out, nxt)
+            name = f"PCA {'cross-layer' if cross else 'per-layer'}, target {target}x"
+            mse = f"{codec.predicted_mse():.4f} / {measured / n:.4f}"
+            rows.append((name, fp16 / len(data), ppl, enc_s, dec_s, mse, ""))
+
+    for bits in (8, 4, 3, 2):
+        qc = kvlib.cache.QuantizedKVCache(model.config, bits=bits)
+        kvlib.compat.forward(model, prefix, qc)
+        ratio = qc.fp16_nbytes() / qc.nbytes()
+        ppl = pca.continuation_perplexity(model, qc, nxt)
+        rows.append(
+            (f"kvlib int{bits} QuantizedKVCache", ratio, ppl, float("nan"), float("nan"), "", "")
+        )
+        recipe = KVRecipe(
+            bits,
+            key_axis=-2,
+            value_axis=-1,
+            key_group_size=128,
+            value_group_size=32,
+            residual=128,
+            sinks=4,
+        )
+        layers, nbytes = [], 0
+        for k, v in pca.cache_tensors(cache):
+            q = quantize_kv(k, v, recipe)
+            layers.append((q.keys, q.values))
+            nbytes += q.nbytes
+        ppl = pca.continuation_perplexity(model, DynamicCache(ddp_cache_data=layers), nxt)
+        rows.append(
+            (f"kvlib int{bits} prefix-only", fp16 / nbytes, ppl, float("nan"), float("nan"), "", "")
+        )
+
+    print(
+        f"\nprefix {prefix_len} tokens ({fp16 / 1e6:.2f} MB fp16), {next_len} scored tokens, "
+        f"reference perplexity {ref:.3f}; torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, {platform.processor() or platform.machine()}\n"
+    )
+    print(
+        "| method | compression vs fp16 | perplexity | Δ ppl | encode s | decode s | MSE predicted / measured |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, ratio, ppl, enc, dec, mse, _ in rows:
+        delta = 100 * (ppl / ref - 1)
+        e = "" if enc != enc else f"{enc:.2f}"
+        d = "" if dec != dec else f"{dec:.2f}"
+        print(f"| {name} | {ratio:.2f}× | {ppl:.3f} | {delta:+.2f} % | {e} | {d} | {mse} |")
+
+    pca_rows = [r for r in rows if r[0].startswith("PCA")]
+    ok1 = [r for r in pca_rows if r[1] >= TARGET_RATIO and 100 * (r[2] / ref - 1) <= TARGET_DELTA]
+    print(
+        f"\nTarget ≥ {TARGET_RATIO:g}× at ≤ +{TARGET_DELTA:g} % perplexity: "
+        + (
+            "MET by "
+            + ", ".join(f"{r[0]} ({r[1]:.2f}×, {100 * (r[2] / ref - 1):+.2f} %)" for r in ok1)
+            if ok1
+            else "NOT MET"
+        )
+    )
+    for kind in ("QuantizedKVCache", "prefix-only"):
+        int2 = next(r for r in rows if r[0] == f"kvlib int2 {kind}")
+        better = [r for r in pca_rows if r[1] >= int2[1] and r[2] < int2[2]]
+        print(
+            f"Target strictly better perplexity than int2 {kind} ({int2[1]:.2f}×, ppl {int2[2]:.3f}) at "
+            f"equal or higher compression: "
+            + (
+                f"MET ({len(better)} PCA points, best ppl {min(r[2] for r in better):.3f})"
+                if better
+                else "NOT MET"
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
