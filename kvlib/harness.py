@@ -50,6 +50,7 @@ __all__ = [
     "cache_info",
     "choose_model",
     "fill_and_step",
+    "fill_or_none",
     "is_oom",
     "load_choice",
     "make_cache",
@@ -434,6 +435,19 @@ def fill_and_step(
     return nbytes
 
 
+def fill_or_none(model: Any, name: str, context: int, batch: int = 1) -> int | None:
+    """:func:`fill_and_step` with a fresh ``name`` cache, or ``None`` when it runs out of
+    memory (caught; memory released). For tables that must not crash on a small GPU."""
+    factory = cache_factory(name, model.config)
+    held: list[int] = []
+    ok = _fits(
+        lambda n: held.append(fill_and_step(model, factory, n, batch)),
+        context,
+        next(model.parameters()).device,
+    )
+    return held[0] if ok else None
+
+
 def simulated_budget_runner(
     model: Any, budget_bytes: float, *, overhead_bytes: float = 0
 ) -> Callable[[str, int, int], int]:
@@ -790,6 +804,14 @@ def _budget(budget_bytes: float, device: torch.device, emulate: bool) -> Iterato
 # -- models -----------------------------------------------------------------------------------
 
 
+def _cuda_half(device: torch.device) -> torch.dtype:
+    """bfloat16 on GPUs with native support (compute capability >= 8: A100, L4, H100), float16
+    on older ones (T4, V100), where ``torch.cuda.is_bf16_supported()`` may say True only
+    because bf16 is emulated, slowly."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16
+
+
 def random_config(
     spec: kvmem.ModelSpec | str,
     *,
@@ -871,7 +893,7 @@ def random_model(
     dev = torch.device(device) if device is not None else get_device()
     if dtype is None:
         if dev.type == "cuda":
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            dtype = _cuda_half(dev)
         else:
             dtype = torch.float32
     config = random_config(spec, **shrink)
@@ -961,7 +983,7 @@ def load_choice(choice: ModelChoice, **shrink: int | None) -> tuple[Any, Any]:
     if choice.kind == "hub":
         dtype = None
         if device.type == "cuda":
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            dtype = _cuda_half(device)
         return load_model(choice.model_id, device=device, dtype=dtype)
     if choice.kind == "random":
         _, tokenizer = load_model(None, device="cpu")

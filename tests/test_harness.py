@@ -305,3 +305,15 @@ def test_series_lines_plot():
     with pytest.raises(ValueError, match="at least one"):
         series_lines({})
     plt.close("all")
+
+
+def test_fill_or_none_catches_oom(model, monkeypatch):
+    assert harness.fill_or_none(model, "dynamic", 8, 1) == memory.kv_cache_bytes(
+        memory.get_spec("smollm2-135m"), 9, bits=32
+    )
+
+    def boom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+
+    monkeypatch.setattr(harness, "fill_and_step", boom)
+    assert harness.fill_or_none(model, "dynamic", 8, 1) is None
