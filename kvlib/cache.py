@@ -1,0 +1,573 @@
+"""A KIVI-style quantized KV cache that plugs into transformers' ``generate()`` (notebook 04).
+
+:class:`QuantizedKVCache` is a transformers ``Cache`` made of one :class:`QuantizedKVLayer`
+(a ``CacheLayerMixin``) per decoder layer, so ``kvlib.compat.generate(model, ids,
+cache=QuantizedKVCache(model.config))`` and a plain forward loop (``kvlib.compat.forward``,
+``kvlib.eval.perplexity``) both use it unchanged.
+
+Layout of one layer, tensors in the transformers convention ``(batch, kv_heads, seq_len,
+head_dim)``, tokens in order::
+
+    [ sinks | block 0 | block 1 | ... | residual window ]
+      full    quantized, residual_length tokens each     full precision, < residual_length
+
+* **sinks** — the first ``sink_tokens`` tokens, kept in full precision (attention sinks: the
+  first tokens draw a large share of attention and are cheap to keep exact).
+* **blocks** — every ``residual_length`` tokens after the sinks form a block that is quantized
+  ONCE, from the full-precision window, the moment it fills; it is never re-quantized (unlike
+  transformers' ``QuantizedCache``, which re-quantizes its dequantized states at every flush).
+  Keys are quantized **per channel** (statistics reduced over the block's ``residual_length``
+  tokens, one scale and zero point per (batch, head, channel) per block — KIVI's recipe for
+  keys, whose outliers live in fixed channels); values **per token** in groups of
+  ``group_size`` channels along head_dim. Storage is real: bit-packed codes plus float16 scales
+  and zero points (:class:`kvlib.quant.QuantizedTensor`).
+* **residual window** — the most recent tokens (fewer than ``residual_length``), full
+  precision, waiting for their block to fill.
+
+"Full precision" (sinks and window) is held in ``window_dtype``: by default the model's dtype
+when it is a 16-bit float, and float16 when the model runs in float32/float64 (the bundled
+model on CPU). That is what an fp16 deployment would hold, and what the byte ratios against an
+fp16 DynamicCache assume; the float16 rounding (relative 2**-11) is 1/8 of an int8 step.
+Pass ``window_dtype=torch.float32`` to keep a float32 model's window exact (at twice its bytes).
+
+Reading (every ``update``) dequantizes all blocks of a layer in one vectorised pass, straight
+into the output tensor in the model's dtype; no dequantized copy is kept between steps, so
+``nbytes()`` is exactly the packed codes + scales + zero points + sinks + window (+ the one
+shared Hadamard matrix when ``rotate=True``). The tokens passed to ``update`` are returned
+as given (they are attended to in full precision in the step that produces them, as in KIVI
+and transformers' QuantizedCache) and stored afterwards.
+
+Rotation (``rotate=True``): keys and values of a block are multiplied by an orthonormal
+Hadamard matrix ``H`` along head_dim before quantizing (an outlier channel is spread over all
+channels), and the dequantized block is rotated back (``@ H.T``) on read. We rotate back
+rather than rotating the queries because a cache cannot reach the queries, nor the attention
+output that rotated values would require; the price is one (head_dim x head_dim) matmul over
+the quantized past per read, which makes rotated decoding slower (see benchmarks/RESULTS.md).
+
+Limits: only ``"full_attention"`` layers (sliding-window, chunked, linear-attention or shared
+layers raise ``ValueError``); no ``crop`` (assisted decoding); float16 scales fall back to
+float32 per quantized block where float16 cannot hold them (see :mod:`kvlib.quant`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvlib import compat
+from kvlib.quant import SUPPORTED_BITS, QuantizedTensor, hadamard, quantize, unpack
+
+__all__ = ["QuantizedKVCache", "QuantizedKVLayer"]
+
+_WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (got {value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} (got {value})")
+    return value
+
+
+def _check_bits(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, one of 2, 3, 4, 8 (got {value!r})")
+    if value not in SUPPORTED_BITS:
+        raise ValueError(f"{name} must be one of 2, 3, 4, 8 (got {value})")
+    return value
+
+
+def _check_group_size(group_size: Any, head_dim: int) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int (got {group_size!r})")
+    if group_size <= 0 or head_dim % group_size:
+        divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
+        raise ValueError(
+            f"group_size must divide head_dim {head_dim} (got {group_size}; accepted: "
+            f"{', '.join(map(str, divisors))})"
+        )
+    return group_size
+
+
+def _cat_quantized(old: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
+    """Append ``new`` blocks to ``old`` along the leading block axis (codes are not touched)."""
+    if old is None:
+        return new
+    scale_dtype = torch.promote_types(old.scale.dtype, new.scale.dtype)
+    packed = torch.cat([old.packed, new.packed], dim=0)
+    scale = torch.cat([old.scale.to(scale_dtype), new.scale.to(scale_dtype)], dim=0)
+    offset = torch.cat([old.offset.to(scale_dtype), new.offset.to(scale_dtype)], dim=0)
+    shape = torch.Size((old.shape[0] + new.shape[0], *old.shape[1:]))
+    return dataclasses.replace(old, packed=packed, scale=scale, offset=offset, shape=shape)
+
+
+def _select_batch(q: QuantizedTensor, fn: Any) -> QuantizedTensor:
+    """Apply a batch-axis selection ``fn`` (on dim 1) to a block tensor's codes and metadata."""
+    packed, scale, offset = fn(q.packed), fn(q.scale), fn(q.offset)
+    shape = torch.Size((q.shape[0], packed.shape[1], *q.shape[2:]))
+    return dataclasses.replace(
+        q, packed=packed.contiguous(), scale=scale, offset=offset, shape=shape
+    )
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One decoder layer of :class:`QuantizedKVCache` (see the module docstring for the layout).
+
+    State after ``update`` calls totalling ``T`` tokens, with ``s = min(T, sink_tokens)``,
+    ``n = (T - s) // residual_length`` blocks and ``r = T - s - n * residual_length``:
+
+    * ``sink_keys`` / ``sink_values``: ``(batch, kv_heads, s, head_dim)`` in ``window_dtype``;
+    * ``key_blocks``: a :class:`~kvlib.quant.QuantizedTensor` of shape
+      ``(n, batch, kv_heads, residual_length, head_dim)`` quantized over axis 3 (tokens of a
+      block: per-channel); packed codes ``(n, batch, kv_heads, bytes)``, scales and zero points
+      ``(n, batch, kv_heads, 1, 1, head_dim)`` (one group of ``residual_length`` tokens);
+    * ``value_blocks``: same shape, quantized over axis 4 (head_dim) in groups of
+      ``group_size`` (per-token); scales ``(n, batch, kv_heads, residual_length, G, 1)``;
+    * ``residual_keys`` / ``residual_values``: ``(batch, kv_heads, r, head_dim)``.
+
+    Blocks are stored block-major so that appending one never touches the codes already held.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        key_bits: int = 4,
+        value_bits: int = 4,
+        group_size: int = 32,
+        residual_length: int = 128,
+        sink_tokens: int = 4,
+        rotation: torch.Tensor | None = None,
+        window_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.key_bits = _check_bits(key_bits, "key_bits")
+        self.value_bits = _check_bits(value_bits, "value_bits")
+        self.group_size = _check_int(group_size, "group_size", 1)
+        self.residual_length = _check_int(residual_length, "residual_length", 1)
+        self.sink_tokens = _check_int(sink_tokens, "sink_tokens", 0)
+        if window_dtype is not None and window_dtype not in _WINDOW_DTYPES:
+            raise ValueError(
+                f"window_dtype must be None or one of float16, bfloat16, float32, float64 "
+                f"(got {window_dtype})"
+            )
+        self.window_dtype_option = window_dtype
+        self.rotation = rotation  # (head_dim, head_dim) orthonormal, shared by all layers
+        self._clear()
+
+    # ------------------------------------------------------------------ state
+
+    def _clear(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.cumulative_length = 0
+        self.sink_keys: torch.Tensor | None = None
+        self.sink_values: torch.Tensor | None = None
+        self.residual_keys: torch.Tensor | None = None
+        self.residual_values: torch.Tensor | None = None
+        self.key_blocks: QuantizedTensor | None = None
+        self.value_blocks: QuantizedTensor | None = None
+        self.n_blocks = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Fix device, dtypes and (batch, kv_heads, head_dim) from the first states seen."""
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.dim() != 4:
+                raise ValueError(
+                    f"{name} must be a 4-d floating tensor (batch, kv_heads, seq_len, head_dim) "
+                    f"(got {getattr(t, 'shape', type(t).__name__)})"
+                )
+        if key_states.shape != value_states.shape:
+            raise ValueError(
+                f"key_states and value_states must have the same shape "
+                f"(got {tuple(key_states.shape)} and {tuple(value_states.shape)})"
+            )
+        b, h, _, d = key_states.shape
+        _check_group_size(self.group_size, d)
+        if (self.residual_length * d) % 8:
+            raise ValueError(
+                f"residual_length * head_dim must be a multiple of 8 so that a block's packed "
+                f"codes fill whole bytes (got {self.residual_length} * {d})"
+            )
+        if self.rotation is not None and self.rotation.shape != (d, d):
+            raise ValueError(
+                f"the rotation must be ({d}, {d}) for head_dim {d} "
+                f"(got {tuple(self.rotation.shape)})"
+            )
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        if self.window_dtype_option is not None:
+            self.window_dtype = self.window_dtype_option
+        elif self.dtype in (torch.float16, torch.bfloat16):
+            self.window_dtype = self.dtype
+        else:
+            self.window_dtype = torch.float16
+        self.batch_size, self.num_heads, self.head_dim = b, h, d
+        empty = key_states.new_zeros((b, h, 0, d), dtype=self.window_dtype)
+        self.sink_keys, self.sink_values = empty, empty.clone()
+        self.residual_keys, self.residual_values = empty.clone(), empty.clone()
+        self.is_initialized = True
+
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        expect = (self.batch_size, self.num_heads, self.head_dim)
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != expect:
+                raise ValueError(
+                    f"{name} must have shape (batch={expect[0]}, kv_heads={expect[1]}, seq_len, "
+                    f"head_dim={expect[2]}) like the states already cached "
+                    f"(got {tuple(t.shape)}); call reset() before changing shapes"
+                )
+        if key_states.shape[2] != value_states.shape[2]:
+            raise ValueError("key_states and value_states must hold the same number of tokens")
+
+    # ------------------------------------------------------------------ write
+
+    def _to_window(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.window_dtype:
+            return x
+        y = x.to(self.window_dtype)
+        if self.window_dtype == torch.float16 and not bool(torch.isfinite(y).all()):
+            if bool(torch.isfinite(x).all()):
+                raise ValueError(
+                    "cached states exceed the float16 range of the full-precision window; "
+                    "pass window_dtype=torch.float32 (or the model's dtype)"
+                )
+            raise ValueError("cached states contain NaN or Inf")
+        return y
+
+    def _quantize_blocks(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize ``n`` whole blocks ``(batch, kv_heads, n * residual_length, head_dim)``,
+        one block at a time (so the result does not depend on how tokens were chunked)."""
+        r = self.residual_length
+        for i in range(k.shape[2] // r):
+            kb = k[:, :, i * r : (i + 1) * r].unsqueeze(0)  # (1, b, h, r, d)
+            vb = v[:, :, i * r : (i + 1) * r].unsqueeze(0)
+            if self.rotation is not None:
+                rot = self.rotation.to(device=kb.device)
+                kb, vb = kb.float() @ rot, vb.float() @ rot
+            qk = quantize(kb.contiguous(), self.key_bits, axis=3)
+            qv = quantize(vb.contiguous(), self.value_bits, axis=4, group_size=self.group_size)
+            lead = (1, self.batch_size, self.num_heads, -1)
+            qk = dataclasses.replace(qk, packed=qk.packed.view(lead))
+            qv = dataclasses.replace(qv, packed=qv.packed.view(lead))
+            self.key_blocks = _cat_quantized(self.key_blocks, qk)
+            self.value_blocks = _cat_quantized(self.value_blocks, qv)
+            self.n_blocks += 1
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        k, v = self._to_window(key_states), self._to_window(value_states)
+        have = self.sink_keys.shape[2]
+        if have < self.sink_tokens:
+            take = min(self.sink_tokens - have, k.shape[2])
+            self.sink_keys = torch.cat([self.sink_keys, k[:, :, :take]], dim=2)
+            self.sink_values = torch.cat([self.sink_values, v[:, :, :take]], dim=2)
+            k, v = k[:, :, take:], v[:, :, take:]
+        if k.shape[2] == 0:
+            return
+        rk = torch.cat([self.residual_keys, k], dim=2)
+        rv = torch.cat([self.residual_values, v], dim=2)
+        full = (rk.shape[2] // self.residual_length) * self.residual_length
+        if full:
+            self._quantize_blocks(rk[:, :, :full], rv[:, :, :full])
+            rk, rv = rk[:, :, full:].clone(), rv[:, :, full:].clone()
+        self.residual_keys, self.residual_values = rk, rv
+
+    # ------------------------------------------------------------------ read
+
+    def _dequantize_into(self, q: QuantizedTensor, dst: torch.Tensor) -> None:
+        """Dequantize all blocks of ``q`` into ``dst`` ``(batch, kv_heads, n * R, head_dim)``
+        (a view of the output), in one vectorised pass."""
+        n, b, h, r, d = q.shape
+        codes = unpack(q.packed, q.bits, q.numel)
+        work = dst.dtype
+        scale, offset = q.scale.to(work), q.offset.to(work)
+        if self.rotation is not None:
+            target = torch.empty((n, b, h, r, d), dtype=work, device=dst.device)
+        else:  # write straight into the output, seen block-major
+            target = dst.view(b, h, n, r, d).permute(2, 0, 1, 3, 4)
+        if q.axis == 3:  # keys: per channel, scale (n, b, h, 1, 1, d)
+            grouped = target
+            codes = codes.view(n, b, h, r, d)
+            scale, offset = scale.view(n, b, h, 1, d), offset.view(n, b, h, 1, d)
+        else:  # values: per token in groups, scale (n, b, h, r, G, 1)
+            g = d // q.group_size
+            if self.rotation is not None:
+                grouped = target.view(n, b, h, r, g, q.group_size)
+            else:
+                grouped = dst.view(b, h, n, r, g, q.group_size).permute(2, 0, 1, 3, 4, 5)
+            codes = codes.view(n, b, h, r, g, q.group_size)
+        torch.mul(codes, scale, out=grouped)
+        grouped.add_(offset)
+        if self.rotation is not None:
+            back = target @ self.rotation.T.to(device=dst.device, dtype=work)
+            dst.view(b, h, n, r, d).copy_(back.permute(1, 2, 0, 3, 4))
+
+    def _read(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The cached past followed by the new states, each (batch, kv_heads, T + q, head_dim)."""
+        s = self.sink_keys.shape[2]
+        nr = self.n_blocks * self.residual_length
+        r = self.residual_keys.shape[2]
+        q = key_states.shape[2]
+        outs = []
+        for sink, blocks, res, new in (
+            (self.sink_keys, self.key_blocks, self.residual_keys, key_states),
+            (self.sink_values, self.value_blocks, self.residual_values, value_states),
+        ):
+            out = torch.empty(
+                (self.batch_size, self.num_heads, s + nr + r + q, self.head_dim),
+                dtype=new.dtype,
+                device=new.device,
+            )
+            if s:
+                out[:, :, :s].copy_(sink)
+            if nr:
+                self._dequantize_into(blocks, out[:, :, s : s + nr])
+            if r:
+                out[:, :, s + nr : s + nr + r].copy_(res)
+            out[:, :, s + nr + r :].copy_(new)
+            outs.append(out)
+        return outs[0], outs[1]
+
+    # ------------------------------------------------------------------ CacheLayerMixin API
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the past (dequantized) followed by ``key_states`` / ``value_states``
+        ``(batch, kv_heads, q, head_dim)``, then store the new states.
+
+        Returns:
+            keys, values: ``(batch, kv_heads, T + q, head_dim)`` in the dtype of the new states.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_states(key_states, value_states)
+        if self.cumulative_length == 0:
+            keys, values = key_states, value_states
+        else:
+            keys, values = self._read(key_states, value_states)
+        self._append(key_states, value_states)
+        self.cumulative_length += key_states.shape[2]
+        return keys, values
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention reads for the cached tokens: keys, values
+        ``(batch, kv_heads, T, head_dim)`` in the model's dtype (a fresh copy)."""
+        if not self.is_initialized:
+            raise ValueError("the layer holds no tokens yet")
+        empty = self.sink_keys.new_zeros(
+            (self.batch_size, self.num_heads, 0, self.head_dim), dtype=self.dtype
+        )
+        return self._read(empty, empty)
+
+    def get_seq_length(self) -> int:
+        """Number of tokens cached (sinks + blocks + window)."""
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the attention mask: every cached token is returned."""
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        """No maximum (-1): the cache grows with the sequence."""
+        return -1
+
+    def reset(self) -> None:
+        """Drop every stored token; the next ``update`` starts from scratch."""
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "QuantizedKVCache cannot crop: its blocks are quantized once and not re-cut "
+            "(assisted/speculative decoding needs a DynamicCache)"
+        )
+
+    def _map_batch(self, fn_bhsd: Any, fn_blocks: Any) -> None:
+        if not self.is_initialized:
+            return
+        for name in ("sink_keys", "sink_values", "residual_keys", "residual_values"):
+            setattr(self, name, fn_bhsd(getattr(self, name)).contiguous())
+        if self.key_blocks is not None:
+            self.key_blocks = _select_batch(self.key_blocks, fn_blocks)
+            self.value_blocks = _select_batch(self.value_blocks, fn_blocks)
+        self.batch_size = self.sink_keys.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch (beam search): codes and metadata are permuted, not re-quantized."""
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._map_batch(lambda t: t.index_select(0, idx), lambda t: t.index_select(1, idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices``."""
+        self._map_batch(lambda t: t[indices], lambda t: t[:, indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times."""
+        self._map_batch(
+            lambda t: t.repeat_interleave(repeats, dim=0),
+            lambda t: t.repeat_interleave(repeats, dim=1),
+        )
+
+    def offload(self) -> None:
+        """Move the stored codes and windows to the CPU."""
+        self._map_device("cpu")
+
+    def prefetch(self) -> None:
+        """Move the stored codes and windows back to the layer's device."""
+        if self.is_initialized:
+            self._map_device(self.device)
+
+    def _map_device(self, device: Any) -> None:
+        if not self.is_initialized:
+            return
+        for name in ("sink_keys", "sink_values", "residual_keys", "residual_values"):
+            setattr(self, name, getattr(self, name).to(device))
+        if self.key_blocks is not None:
+            self.key_blocks = self.key_blocks.to(device)
+            self.value_blocks = self.value_blocks.to(device)
+
+    # ------------------------------------------------------------------ bytes
+
+    def nbytes(self) -> int:
+        """Exact bytes held: packed codes + scales + zero points + sinks + window."""
+        if not self.is_initialized:
+            return 0
+        total = sum(
+            t.numel() * t.element_size()
+            for t in (self.sink_keys, self.sink_values, self.residual_keys, self.residual_values)
+        )
+        if self.key_blocks is not None:
+            total += self.key_blocks.nbytes + self.value_blocks.nbytes
+        return total
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 DynamicCache layer would hold for the same tokens (keys + values)."""
+        if not self.is_initialized:
+            return 0
+        return 2 * self.batch_size * self.num_heads * self.cumulative_length * self.head_dim * 2
+
+
+def _head_dim(config: Any) -> int:
+    hd = getattr(config, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    return config.hidden_size // config.num_attention_heads
+
+
+class QuantizedKVCache(Cache):
+    """KIVI-style quantized KV cache for transformers models (see the module docstring).
+
+    Args:
+        config: the model's config (a transformers ``PretrainedConfig``); every decoder layer
+            must be ``"full_attention"``.
+        bits: bits per key and value code, one of 2, 3, 4, 8.
+        key_bits, value_bits: override ``bits`` for keys or values.
+        group_size: channels per value group (per-token quantization); must divide head_dim.
+        residual_length: tokens per quantized block, and the most tokens kept in the
+            full-precision window (>= 1).
+        sink_tokens: first tokens kept in full precision (>= 0).
+        rotate: Hadamard-rotate head_dim of keys and values before quantizing (head_dim must
+            be a power of two); undone on read.
+        window_dtype: dtype of the sinks and window; ``None``: the model's dtype if 16-bit,
+            else float16.
+
+    Raises:
+        ValueError / TypeError: unsupported layer types, bits, group sizes or lengths.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        bits: int = 4,
+        *,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+        group_size: int = 32,
+        residual_length: int = 128,
+        sink_tokens: int = 4,
+        rotate: bool = False,
+        window_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not hasattr(config, "get_text_config"):
+            raise TypeError(
+                f"config must be a transformers PretrainedConfig (got {type(config).__name__})"
+            )
+        _check_bits(bits, "bits")
+        key_bits = bits if key_bits is None else _check_bits(key_bits, "key_bits")
+        value_bits = bits if value_bits is None else _check_bits(value_bits, "value_bits")
+        text = config.get_text_config(decoder=True)
+        head_dim = _head_dim(text)
+        _check_group_size(group_size, head_dim)
+        _check_int(residual_length, "residual_length", 1)
+        _check_int(sink_tokens, "sink_tokens", 0)
+        if (residual_length * head_dim) % 8:
+            raise ValueError(
+                f"residual_length * head_dim must be a multiple of 8 so that a block's packed "
+                f"codes fill whole bytes (got {residual_length} * {head_dim})"
+            )
+        if not isinstance(rotate, bool):
+            raise TypeError(f"rotate must be a bool (got {rotate!r})")
+        if rotate and (head_dim & (head_dim - 1)):
+            raise ValueError(
+                f"rotate=True needs head_dim to be a power of two (got head_dim {head_dim})"
+            )
+        types = compat.layer_types(config)
+        bad = sorted({t for t in types if t != "full_attention"})
+        if bad:
+            raise ValueError(
+                f"QuantizedKVCache supports only full_attention layers; this config has "
+                f"{', '.join(bad)} layers (use a DynamicCache for sliding-window/hybrid models)"
+            )
+        self.bits, self.key_bits, self.value_bits = bits, key_bits, value_bits
+        self.group_size, self.residual_length = group_size, residual_length
+        self.sink_tokens, self.rotate, self.head_dim = sink_tokens, rotate, head_dim
+        self.rotation = hadamard(head_dim) if rotate else None
+        layers = [
+            QuantizedKVLayer(
+                key_bits,
+                value_bits,
+                group_size,
+                residual_length,
+                sink_tokens,
+                rotation=self.rotation,
+                window_dtype=window_dtype,
+            )
+            for _ in types
+        ]
+        super().__init__(layers=layers)
+
+    def __repr__(self) -> str:
+        bits = (
+            f"bits={self.bits}"
+            if self.key_bits == self.value_bits
+            else f"key_bits={self.key_bits}, value_bits={self.value_bits}"
+        )
+        return (
+            f"QuantizedKVCache({bits}, group_size={self.group_size}, residual_length="
+            f"{self.residual_length}, sink_tokens={self.sink_tokens}, rotate={self.rotate}, "
+            f"layers={len(self.layers)}, tokens={self.get_seq_length()})"
+        )
+
+    def nbytes(self) -> int:
+        """Exact bytes held by all layers (codes, scales, zero points, sinks, windows), plus
+        the shared Hadamard matrix when ``rotate=True``."""
+        total = sum(layer.nbytes() for layer in self.layers)
+        if self.rotation is not None:
+            total += self.rotation.numel() * self.rotation.element_size()
+        return total
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 DynamicCache would hold for the same tokens."""
+        return sum(layer.fp16_nbytes() for layer in self.layers)
+
+    def compression_ratio(self) -> float:
+        """``fp16_nbytes() / nbytes()`` (``nan`` while empty)."""
+        n = self.nbytes()
+        return self.fp16_nbytes() / n if n else math.nan
