@@ -87,58 +87,59 @@ def test_int8_argmax_agrees_with_dynamic_cache(model, eval_ids):
 
 @pytest.mark.parametrize("bits", [4, 3, 2])
 def test_low_bits_run_with_finite_logits(model, eval_ids, bits):
-    ids = eval_ids[:, :200]
-    cache = QuantizedKVCache(model.config, bits, residual_length=32)
-    lp, _ = kv_eval.token_logprobs(model, ids, cache=cache, chunk_size=64)
+    ids = eval_ids[:, :96]
+    cache = QuantizedKVCache(model.config, bits, residual_length=16)
+    lp, _ = kv_eval.token_logprobs(model, ids, cache=cache, chunk_size=32)
     assert torch.isfinite(lp).all()
-    assert cache.layers[0].n_blocks == (200 - 1 - 4) // 32
-    ref, _ = kv_eval.token_logprobs(model, ids, chunk_size=200)
+    assert cache.layers[0].n_blocks == (96 - 1 - 4) // 16
+    ref, _ = kv_eval.token_logprobs(model, ids, chunk_size=96)
     ppl, ppl_ref = math.exp(-lp.mean().item()), math.exp(-ref.mean().item())
     assert ppl < ppl_ref * (1.05 if bits >= 4 else 1.6)
     assert cache.compression_ratio() > 1.0
 
 
 def test_greedy_generate_int8_matches_dynamic_without_warnings(model, tokenizer, eval_ids):
-    prompt = eval_ids[:, :150]  # one block of 128 quantized after the 4 sinks
+    prompt = eval_ids[:, :60]  # 4 sinks, then blocks of 16 quantized during generation
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cache = QuantizedKVCache(model.config, 8)
+        cache = QuantizedKVCache(model.config, 8, residual_length=16)
         out = compat.generate(model, prompt, cache=cache, max_new_tokens=12, do_sample=False)
         ref = compat.generate(model, prompt, max_new_tokens=12, do_sample=False)
-    assert cache.layers[0].n_blocks == 1
-    assert tokenizer.decode(out[0, 150:]) == tokenizer.decode(ref[0, 150:])
-    assert cache.get_seq_length() == 150 + 12 - 1
+    assert cache.layers[0].n_blocks == (60 + 11 - 4) // 16
+    assert tokenizer.decode(out[0, 60:]) == tokenizer.decode(ref[0, 60:])
+    assert cache.get_seq_length() == 60 + 12 - 1
 
 
 def test_beam_search_reorders(model, eval_ids):
-    prompt = eval_ids[:, :140]
+    prompt = eval_ids[:, :40]
     kw = dict(max_new_tokens=4, do_sample=False, num_beams=2)
-    out = compat.generate(model, prompt, cache=QuantizedKVCache(model.config, 8), **kw)
+    cache = QuantizedKVCache(model.config, 8, residual_length=16)
+    out = compat.generate(model, prompt, cache=cache, **kw)
     ref = compat.generate(model, prompt, **kw)
     assert out.shape == ref.shape
     assert torch.equal(out, ref)
 
 
 def test_batch_equals_rows_in_the_model(model, eval_ids):
-    rows = torch.cat([eval_ids[:, :160], eval_ids[:, 400:560]])
-    cache = QuantizedKVCache(model.config, 4, residual_length=32)
-    batch_lp, batch_am = kv_eval.token_logprobs(model, rows, cache=cache, chunk_size=64)
+    rows = torch.cat([eval_ids[:, :80], eval_ids[:, 400:480]])
+    cache = QuantizedKVCache(model.config, 4, residual_length=16)
+    batch_lp, batch_am = kv_eval.token_logprobs(model, rows, cache=cache, chunk_size=32)
     for i in range(2):
-        c = QuantizedKVCache(model.config, 4, residual_length=32)
-        lp, am = kv_eval.token_logprobs(model, rows[i : i + 1], cache=c, chunk_size=64)
+        c = QuantizedKVCache(model.config, 4, residual_length=16)
+        lp, am = kv_eval.token_logprobs(model, rows[i : i + 1], cache=c, chunk_size=32)
         # batched matmuls may differ in the last float bits, which can move a code by one step
         assert (am[0] == batch_am[i]).float().mean() >= 0.98
         torch.testing.assert_close(lp[0], batch_lp[i], atol=0.05, rtol=0)
 
 
 def test_reset_and_reuse(model, eval_ids):
-    ids = eval_ids[:, :150]
-    cache = QuantizedKVCache(model.config, 4)
-    first = kv_eval.perplexity(model, ids, cache=cache)
-    assert cache.get_seq_length() == 149 and cache.nbytes() > 0
+    ids = eval_ids[:, :80]
+    cache = QuantizedKVCache(model.config, 4, residual_length=16)
+    first = kv_eval.perplexity(model, ids, cache=cache, chunk_size=32)
+    assert cache.get_seq_length() == 79 and cache.nbytes() > 0
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0 and cache.fp16_nbytes() == 0
-    again = kv_eval.perplexity(model, ids, cache=cache)
+    again = kv_eval.perplexity(model, ids, cache=cache, chunk_size=32)
     assert again == pytest.approx(first, rel=1e-6)
 
 

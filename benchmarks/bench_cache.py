@@ -1,0 +1,228 @@
+"""kvlib.cache.QuantizedKVCache vs transformers' QuantizedCache (quanto, HQQ, fp8), in one run.
+
+Perplexity on ``kvlib.data.load_eval_text()`` fed in chunks of 64 tokens (so attention reads the
+cached, quantized past), % delta vs the fp32 DynamicCache, cache bytes vs fp16 (measured after
+the text, and at 4096 tokens by feeding 4096 random states through every layer: bytes depend
+only on shapes), wall time; then decode speed (kvlib int4 vs DynamicCache vs quanto int4).
+Prints Markdown tables with PASS/FAIL for the issue's targets and writes
+``kvlib/measurements.json`` (read by ``kvlib.plan``).
+
+    .venv/bin/python benchmarks/bench_cache.py           # 2048 tokens, decode 1024 + 128
+    .venv/bin/python benchmarks/bench_cache.py --quick   # 1024 tokens, decode 1024 + 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+import kvlib
+from kvlib import compat
+from kvlib import eval as kv_eval
+from kvlib.cache import QuantizedKVCache
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_PPL = {8: 0.05, 4: 0.1, 3: 0.5, 2: 10.0}
+TARGET_BYTES = {8: 1.8, 4: 3.0, 2: 4.5}
+
+
+def factories(config):
+    """name -> (description, cache factory)."""
+    f = {"fp16-dynamic": ("DynamicCache (fp32 model)", lambda: compat.dynamic_cache(config))}
+    for b in (4, 2):
+        f[f"quanto-int{b}"] = (
+            f"HF QuantizedCache quanto int{b}, axes 0/0, group 64, residual 128",
+            lambda b=b: compat.hf_quantized_cache(config, "quanto", b),
+        )
+    for b in (8, 4, 3, 2):
+        f[f"hqq-int{b}"] = (
+            f"HF QuantizedCache HQQ int{b}, default axes 0/0, group 64",
+            lambda b=b: compat.hf_quantized_cache(config, "hqq", b),
+        )
+        f[f"hqq-int{b}-axis1"] = (
+            f"HF QuantizedCache HQQ int{b}, axes 1/1 (HQQ's recommended axis), group 64",
+            lambda b=b: compat.hf_quantized_cache(config, "hqq", b, axis_key=1, axis_value=1),
+        )
+    f["hf-fp8"] = (
+        "HF QuantizedCache fp8 (float8_e4m3fn, one scale per tensor)",
+        lambda: compat.hf_quantized_cache(config, "fp8"),
+    )
+    for b in (8, 4, 3, 2):
+        for rot in (False, True):
+            name = f"kvlib-int{b}" + ("-rot" if rot else "")
+            f[name] = (
+                f"kvlib int{b}, group 32, residual 128, 4 sinks" + (", Hadamard" if rot else ""),
+                lambda b=b, rot=rot: QuantizedKVCache(config, b, rotate=rot),
+            )
+    return f
+
+
+def bytes_at(factory, config, tokens: int, chunk: int = 64) -> tuple[int, int]:
+    """(bytes held, fp16 bytes) after feeding ``tokens`` random states to every layer."""
+    cache = factory()
+    heads = config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, heads, tokens, d, generator=g)
+    v = torch.randn(1, heads, tokens, d, generator=g)
+    with torch.inference_mode():
+        for start in range(0, tokens, chunk):
+            for i in range(config.num_hidden_layers):
+                cache.update(k[:, :, start : start + chunk], v[:, :, start : start + chunk], i)
+    fp16 = 2 * config.num_hidden_layers * heads * tokens * d * 2
+    return compat.cache_nbytes(cache), fp16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1024 tokens, 64 decode tokens")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=None, help="decode tokens (default 128)")
+    ap.add_argument("--repeats", type=int, default=3, help="decode repeats (median)")
+    ap.add_argument("--no-json", action="store_true", help="do not write kvlib/measurements.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    tokens = args.tokens or (1024 if args.quick else 2048)
+    new_tokens = args.new_tokens or (64 if args.quick else 128)
+    repeats = args.repeats
+    chunk = 64
+
+    warnings.filterwarnings("ignore")
+    model, tok = kvlib.models.load_model()
+    config = model.config
+    ids = tok(kvlib.data.load_eval_text()[: tokens * 8 + 1000], return_tensors="pt").input_ids
+    ids = ids[:, :tokens]
+    facs = factories(config)
+
+    # warm-up
+    kv_eval.perplexity(model, ids[:, :96], cache=QuantizedKVCache(config, 4), chunk_size=chunk)
+
+    rows = {}
+    for name, (desc, fac) in facs.items():
+        cache = fac()
+        t0 = time.perf_counter()
+        ppl = kv_eval.perplexity(model, ids, cache=cache, chunk_size=chunk)
+        wall = time.perf_counter() - t0
+        held = compat.cache_nbytes(cache)
+        fp16 = 2 * config.num_hidden_layers * config.num_key_value_heads * cache.get_seq_length()
+        fp16 *= config.hidden_size // config.num_attention_heads * 2
+        b4096, fp16_4096 = bytes_at(fac, config, 4096)
+        rows[name] = dict(
+            desc=desc,
+            perplexity=ppl,
+            wall_s=wall,
+            bytes=held,
+            ratio=fp16 / held,
+            bytes_per_token=held / cache.get_seq_length(),
+            ratio_4096=fp16_4096 / b4096,
+            bytes_per_token_4096=b4096 / 4096,
+        )
+        print(f"{name}: ppl {ppl:.4f} ({wall:.1f} s)", flush=True)
+    ref = rows["fp16-dynamic"]["perplexity"]
+    for r in rows.values():
+        r["delta_pct"] = 100 * (r["perplexity"] / ref - 1)
+
+    # decode speed, same run
+    speed = {}
+    prompt = tok(kvlib.data.load_eval_text()[:20000], return_tensors="pt").input_ids[:, :1024]
+    for name in ("fp16-dynamic", "kvlib-int4", "quanto-int4"):
+        res = kv_eval.generation_benchmark(
+            model,
+            tok,
+            facs[name][1],
+            prompt_tokens=1024,
+            new_tokens=new_tokens,
+            repeats=repeats,
+            prompt_ids=prompt,
+            name=name,
+        )
+        speed[name] = res
+        print(f"{name}: {res.decode_tokens_per_s:.2f} tok/s", flush=True)
+
+    machine = (
+        f"{platform.processor() or platform.machine()}, 2-core CPU, no GPU, shared; torch "
+        f"{torch.__version__}, transformers {transformers.__version__}, "
+        f"{args.threads} torch threads"
+    )
+    date = datetime.date.today().isoformat()
+    cmd = "python benchmarks/bench_cache.py " + " ".join(__import__("sys").argv[1:])
+    print(f"\nCommand: `{cmd}`; {tokens} tokens, chunk {chunk}; {machine}; {date}\n")
+    print(
+        "| cache | perplexity | Δ vs fp32 % | bytes/token | × smaller than fp16 | "
+        "× at 4096 tok | wall s | target | PASS/FAIL |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+    for name, r in rows.items():
+        target, verdict = "", ""
+        if name.startswith("kvlib-int") and not name.endswith("-rot"):
+            b = int(name.split("int")[1])
+            checks = [r["delta_pct"] <= TARGET_PPL[b]]
+            target = f"Δ ≤ {TARGET_PPL[b]} %"
+            if b in TARGET_BYTES:
+                checks.append(r["ratio_4096"] >= TARGET_BYTES[b])
+                target += f", ≥ {TARGET_BYTES[b]}× @4096"
+            verdict = "PASS" if all(checks) else "FAIL"
+        print(
+            f"| {name} | {r['perplexity']:.4f} | {r['delta_pct']:+.3f} | "
+            f"{r['bytes_per_token']:.0f} | {r['ratio']:.2f} | {r['ratio_4096']:.2f} | "
+            f"{r['wall_s']:.1f} | {target} | {verdict} |"
+        )
+    base = speed["fp16-dynamic"]
+    print(f"\nDecode: {new_tokens} tokens after a 1024-token prompt, median of {repeats}\n")
+    print("| cache | decode tok/s | slowdown vs Dynamic | TTFT s | target | PASS/FAIL |")
+    print("|---|---:|---:|---:|---|---|")
+    for name, res in speed.items():
+        slow = res.slowdown_vs(base)
+        target, verdict = "", ""
+        if name == "kvlib-int4":
+            q = speed["quanto-int4"]
+            ok = slow <= 1.5 and res.decode_tokens_per_s >= q.decode_tokens_per_s
+            target, verdict = "≤ 1.5× Dynamic and ≥ quanto int4", "PASS" if ok else "FAIL"
+        print(
+            f"| {name} | {res.decode_tokens_per_s:.2f} | {slow:.2f} | "
+            f"{statistics.median([res.time_to_first_token_s]):.2f} | {target} | {verdict} |"
+        )
+
+    if not args.no_json:
+        out = {
+            "source": "benchmarks/bench_cache.py",
+            "command": cmd,
+            "date": date,
+            "machine": machine,
+            "model": "SmolLM2-135M",
+            "tokens": tokens,
+            "chunk_size": chunk,
+            "caches": {
+                name: {
+                    "description": r["desc"],
+                    "perplexity": round(r["perplexity"], 5),
+                    "perplexity_delta_pct": round(r["delta_pct"], 4),
+                    "bytes_ratio_vs_fp16": round(r["ratio_4096"], 4),
+                    "bytes_per_token": round(r["bytes_per_token_4096"], 1),
+                    "bytes_ratio_vs_fp16_at_eval_tokens": round(r["ratio"], 4),
+                }
+                for name, r in rows.items()
+            },
+            "decode": {
+                name: {
+                    "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
+                    "slowdown_vs_dynamic": round(res.slowdown_vs(base), 3),
+                }
+                for name, res in speed.items()
+            },
+        }
+        (ROOT / "kvlib" / "measurements.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
