@@ -255,7 +255,23 @@ def _cache_entry(setting: str, measurements: Mapping[str, Any]) -> Mapping[str, 
     return None
 
 
-def _entry_cost(entry: Mapping[str, Any], ref: Mapping[str, Any], is_ref: bool) -> dict[str, float]:
+def _fp16_bytes_per_token(measurements: Mapping[str, Any]) -> float | None:
+    """fp16 KV bytes per token of the measured model, when it is in the registry."""
+    name = measurements.get("model") if measurements else None
+    if not isinstance(name, str):
+        return None
+    try:
+        return float(memory.kv_bytes_per_token(memory.get_spec(name)))
+    except (ValueError, TypeError):
+        return None
+
+
+def _entry_cost(
+    entry: Mapping[str, Any],
+    ref: Mapping[str, Any],
+    is_ref: bool,
+    fp16_bpt: float | None = None,
+) -> dict[str, float]:
     out: dict[str, float] = {}
     ppl = _first_number(entry, _PPL_KEYS)
     if ppl is not None:
@@ -266,7 +282,17 @@ def _entry_cost(entry: Mapping[str, Any], ref: Mapping[str, Any], is_ref: bool) 
         delta = 100.0 * (ppl / ref_ppl - 1.0)
     if delta is not None:
         out["perplexity_delta_pct"] = 0.0 if is_ref else delta
-    ratio = _first_number(entry, ("bytes_ratio_vs_fp16",))
+    # the cache's bytes over fp16's: from bytes per token and the model's fp16 formula first
+    # (unambiguous), else the stored ratio (either way round: a stored value above 1 is read
+    # as "× smaller than fp16", as benchmarks/bench_cache.py writes it), else both entries' bytes
+    ratio = None
+    bpt = _number(entry.get("bytes_per_token"))
+    if bpt is not None and fp16_bpt:
+        ratio = bpt / fp16_bpt
+    if ratio is None:
+        stored = _first_number(entry, ("bytes_ratio_vs_fp16",))
+        if stored is not None and stored > 0:
+            ratio = 1.0 / stored if stored > 1.0 else stored
     if ratio is None:  # from the bytes of both caches, measured on the same text
         for key in _BYTES_KEYS:
             mine, theirs = _number(entry.get(key)), _number(ref.get(key))
@@ -293,7 +319,8 @@ def measured_cost(setting: str, measurements: Mapping[str, Any] | None = None) -
     entry = _cache_entry(setting, measurements)
     if entry is None:
         return {}
-    return _entry_cost(entry, _cache_entry("fp16", measurements) or {}, setting == "fp16")
+    ref = _cache_entry("fp16", measurements) or {}
+    return _entry_cost(entry, ref, setting == "fp16", _fp16_bytes_per_token(measurements))
 
 
 def measured_caches(measurements: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
@@ -305,8 +332,9 @@ def measured_caches(measurements: Mapping[str, Any] | None = None) -> dict[str, 
     if not isinstance(caches, Mapping):
         return {}
     ref = _cache_entry("fp16", measurements) or {}
+    fp16_bpt = _fp16_bytes_per_token(measurements)
     return {
-        name: _entry_cost(entry, ref, entry is ref)
+        name: _entry_cost(entry, ref, entry is ref, fp16_bpt)
         for name, entry in caches.items()
         if isinstance(entry, Mapping)
     }

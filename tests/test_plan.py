@@ -332,3 +332,19 @@ def test_measured_cost_reads_harness_field_names():
     assert "int4: quality cost not measured" in plan.quality_note("int4", meas)
     with pytest.raises(ValueError, match="setting must be one of"):
         plan.measured_cost("int5", meas)
+
+
+def test_measured_byte_ratio_either_way_round():
+    """bench_cache.py stores "× smaller than fp16" (> 1); bytes per token of a registry model win."""
+    meas = {
+        "model": "SmolLM2-135M",  # 23,040 fp16 KV bytes per token
+        "caches": {
+            "fp16-dynamic": {"perplexity": 10.0, "bytes_per_token": 46080},  # fp32 cache
+            "kvlib-int8": {"perplexity_delta_pct": 0.1, "bytes_ratio_vs_fp16": 1.8},
+            "kvlib-int4": {"bytes_ratio_vs_fp16": 9.9, "bytes_per_token": 5760},
+        },
+    }
+    assert plan.measured_cost("int8", meas)["bytes_ratio_vs_fp16"] == pytest.approx(1 / 1.8)
+    assert plan.measured_cost("int4", meas)["bytes_ratio_vs_fp16"] == pytest.approx(0.25)
+    assert plan.measured_caches(meas)["fp16-dynamic"]["bytes_ratio_vs_fp16"] == pytest.approx(2.0)
+    assert "0.25× the fp16 bytes" in plan.quality_note("int4", meas)
