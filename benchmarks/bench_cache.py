@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import time
@@ -82,11 +83,18 @@ def bytes_at(factory, config, tokens: int, chunk: int = 64) -> tuple[int, int]:
     return compat.cache_nbytes(cache), fp16
 
 
+def _num(x: float, digits: int) -> float | None:
+    """Rounded, or None (JSON null) for a figure not measured."""
+    return None if math.isnan(x) else round(x, digits)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1024 tokens, 64 decode tokens")
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip", nargs="*", default=[], help="cache names to leave out")
+    ap.add_argument("--hqq-4096", action="store_true", help="also feed HQQ caches 4096 tokens")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode tokens (default 128)")
     ap.add_argument("--repeats", type=int, default=3, help="decode repeats (median)")
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/measurements.json")
@@ -109,6 +117,8 @@ def main() -> None:
 
     rows = {}
     for name, (desc, fac) in facs.items():
+        if name in args.skip:
+            continue
         cache = fac()
         t0 = time.perf_counter()
         ppl = kv_eval.perplexity(model, ids, cache=cache, chunk_size=chunk)
@@ -116,7 +126,12 @@ def main() -> None:
         held = compat.cache_nbytes(cache)
         fp16 = 2 * config.num_hidden_layers * config.num_key_value_heads * cache.get_seq_length()
         fp16 *= config.hidden_size // config.num_attention_heads * 2
-        b4096, fp16_4096 = bytes_at(fac, config, 4096)
+        if name.startswith("hqq") and not args.hqq_4096:
+            # HQQ re-quantizes (with its optimizer) the whole cache at every flush: feeding
+            # 4096 tokens takes many minutes on this CPU, so it is skipped unless asked for
+            b4096, fp16_4096 = float("nan"), float("nan")
+        else:
+            b4096, fp16_4096 = bytes_at(fac, config, 4096)
         rows[name] = dict(
             desc=desc,
             perplexity=ppl,
@@ -207,8 +222,8 @@ def main() -> None:
                     "description": r["desc"],
                     "perplexity": round(r["perplexity"], 5),
                     "perplexity_delta_pct": round(r["delta_pct"], 4),
-                    "bytes_ratio_vs_fp16": round(r["ratio_4096"], 4),
-                    "bytes_per_token": round(r["bytes_per_token_4096"], 1),
+                    "bytes_ratio_vs_fp16": _num(r["ratio_4096"], 4),
+                    "bytes_per_token": _num(r["bytes_per_token_4096"], 1),
                     "bytes_ratio_vs_fp16_at_eval_tokens": round(r["ratio"], 4),
                 }
                 for name, r in rows.items()
