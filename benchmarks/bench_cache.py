@@ -58,11 +58,24 @@ def factories(config):
         lambda: compat.hf_quantized_cache(config, "fp8"),
     )
     for b in (8, 4, 3, 2):
-        for rot in (False, True):
-            name = f"kvlib-int{b}" + ("-rot" if rot else "")
-            f[name] = (
-                f"kvlib int{b}, group 32, residual 128, 4 sinks" + (", Hadamard" if rot else ""),
-                lambda b=b, rot=rot: QuantizedKVCache(config, b, rotate=rot),
+        c = QuantizedKVCache(config, b)
+        f[f"kvlib-int{b}"] = (
+            f"kvlib int{b} defaults: key groups {c.key_group_size} tokens, value groups "
+            f"{c.group_size}, residual 128, 4 sinks, rotate={c.rotate}",
+            lambda b=b: QuantizedKVCache(config, b),
+        )
+        other = not c.rotate
+        f[f"kvlib-int{b}-" + ("rot" if other else "norot")] = (
+            f"kvlib int{b} defaults with rotate={other}",
+            lambda b=b, other=other: QuantizedKVCache(config, b, rotate=other),
+        )
+        if b < 8:
+            f[f"kvlib-int{b}-block"] = (
+                f"kvlib int{b}, one key group per 128-token block, value groups 32, "
+                "no rotation (the KIVI layout; kvlib's defaults before key groups)",
+                lambda b=b: QuantizedKVCache(
+                    config, b, key_group_size=128, group_size=32, rotate=False
+                ),
             )
     return f
 
@@ -97,6 +110,13 @@ def main() -> None:
     ap.add_argument("--hqq-4096", action="store_true", help="also feed HQQ caches 4096 tokens")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode tokens (default 128)")
     ap.add_argument("--repeats", type=int, default=3, help="decode repeats (median)")
+    ap.add_argument(
+        "--segments",
+        type=int,
+        default=4,
+        help="also evaluate fp16 and every kvlib row on this many consecutive segments of "
+        "--tokens tokens (the first is the protocol's); 1: only the protocol segment",
+    )
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/measurements.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -108,8 +128,13 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     model, tok = kvlib.models.load_model()
     config = model.config
-    ids = tok(kvlib.data.load_eval_text()[: tokens * 8 + 1000], return_tensors="pt").input_ids
-    ids = ids[:, :tokens]
+    if args.segments < 1:
+        raise SystemExit("--segments must be >= 1")
+    text = kvlib.data.load_eval_text()[: tokens * args.segments * 8 + 1000]
+    all_ids = tok(text, return_tensors="pt").input_ids
+    if all_ids.shape[1] < tokens * args.segments:
+        raise SystemExit(f"the evaluation text holds only {all_ids.shape[1]} tokens")
+    ids = all_ids[:, :tokens]
     facs = factories(config)
 
     # warm-up
@@ -150,7 +175,7 @@ def main() -> None:
     # decode speed, same run
     speed = {}
     prompt = tok(kvlib.data.load_eval_text()[:20000], return_tensors="pt").input_ids[:, :1024]
-    for name in ("fp16-dynamic", "kvlib-int4", "quanto-int4"):
+    for name in ("fp16-dynamic", "kvlib-int4", "quanto-int4", "kvlib-int4-rot", "kvlib-int2"):
         res = kv_eval.generation_benchmark(
             model,
             tok,
@@ -163,6 +188,19 @@ def main() -> None:
         )
         speed[name] = res
         print(f"{name}: {res.decode_tokens_per_s:.2f} tok/s", flush=True)
+
+    # robustness: fp16 and every kvlib row on further segments of the same text
+    seg_names = ["fp16-dynamic"] + [n for n in rows if n.startswith("kvlib-")]
+    segments = {n: [rows[n]["delta_pct"]] for n in seg_names}
+    for i in range(1, args.segments):
+        seg = all_ids[:, i * tokens : (i + 1) * tokens]
+        ppl = {
+            n: kv_eval.perplexity(model, seg, cache=facs[n][1](), chunk_size=chunk)
+            for n in seg_names
+        }
+        for n in seg_names:
+            segments[n].append(100 * (ppl[n] / ppl["fp16-dynamic"] - 1))
+        print(f"segment {i + 1}: done", flush=True)
 
     machine = (
         f"{platform.processor() or platform.machine()}, 2-core CPU, no GPU, shared; torch "
@@ -179,7 +217,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---|---|")
     for name, r in rows.items():
         target, verdict = "", ""
-        if name.startswith("kvlib-int") and not name.endswith("-rot"):
+        if name in {f"kvlib-int{b}" for b in TARGET_PPL}:
             b = int(name.split("int")[1])
             checks = [r["delta_pct"] <= TARGET_PPL[b]]
             target = f"Δ ≤ {TARGET_PPL[b]} %"
@@ -192,6 +230,24 @@ def main() -> None:
             f"{r['bytes_per_token']:.0f} | {r['ratio']:.2f} | {r['ratio_4096']:.2f} | "
             f"{r['wall_s']:.1f} | {target} | {verdict} |"
         )
+    if args.segments > 1:
+        k = args.segments
+        print(f"\nRobustness: Δ vs fp32 % on {k} consecutive {tokens}-token segments\n")
+        heads = " | ".join(f"seg {i + 1}" for i in range(k))
+        print(f"| cache | {heads} | mean | worst | target | met on every segment |")
+        print("|---|" + "---:|" * (k + 2) + "---|---|")
+        for n in seg_names[1:]:
+            d = segments[n]
+            target, verdict = "", ""
+            if n in {f"kvlib-int{b}" for b in TARGET_PPL}:
+                b = int(n.split("int")[1])
+                target = f"Δ ≤ {TARGET_PPL[b]} %"
+                verdict = "yes" if max(d) <= TARGET_PPL[b] else "no"
+            cells = " | ".join(f"{x:+.3f}" for x in d)
+            print(
+                f"| {n} | {cells} | {statistics.mean(d):+.3f} | {max(d):+.3f} | {target} "
+                f"| {verdict} |"
+            )
     base = speed["fp16-dynamic"]
     print(f"\nDecode: {new_tokens} tokens after a 1024-token prompt, median of {repeats}\n")
     print("| cache | decode tok/s | slowdown vs Dynamic | TTFT s | target | PASS/FAIL |")
@@ -225,6 +281,14 @@ def main() -> None:
                     "bytes_ratio_vs_fp16": _num(r["ratio_4096"], 4),
                     "bytes_per_token": _num(r["bytes_per_token_4096"], 1),
                     "bytes_ratio_vs_fp16_at_eval_tokens": round(r["ratio"], 4),
+                    **(
+                        {
+                            "perplexity_delta_pct_segments": [round(x, 4) for x in segments[name]],
+                            "perplexity_delta_pct_mean": round(statistics.mean(segments[name]), 4),
+                        }
+                        if name in segments and args.segments > 1
+                        else {}
+                    ),
                 }
                 for name, r in rows.items()
             },

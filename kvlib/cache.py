@@ -16,10 +16,10 @@ head_dim)``, tokens in order::
 * **blocks** — every ``residual_length`` tokens after the sinks form a block that is quantized
   ONCE, from the full-precision window, the moment it fills; it is never re-quantized (unlike
   transformers' ``QuantizedCache``, which re-quantizes its dequantized states at every flush).
-  Keys are quantized **per channel** (statistics reduced over the block's ``residual_length``
-  tokens, one scale and zero point per (batch, head, channel) per block — KIVI's recipe for
-  keys, whose outliers live in fixed channels); values **per token** in groups of
-  ``group_size`` channels along head_dim. Storage is real: bit-packed codes plus float16 scales
+  Keys are quantized **per channel** (KIVI's recipe for keys, whose outliers live in fixed
+  channels): one scale and zero point per (batch, head, channel) for every ``key_group_size``
+  tokens of the block; values **per token** in groups of ``group_size`` channels along
+  head_dim. Storage is real: bit-packed codes plus float16 scales
   and zero points (:class:`kvlib.quant.QuantizedTensor`).
 * **residual window** — the most recent tokens (fewer than ``residual_length``), full
   precision, waiting for their block to fill.
@@ -37,12 +37,24 @@ shared Hadamard matrix when ``rotate=True``). The tokens passed to ``update`` ar
 as given (they are attended to in full precision in the step that produces them, as in KIVI
 and transformers' QuantizedCache) and stored afterwards.
 
-Rotation (``rotate=True``): keys and values of a block are multiplied by an orthonormal
-Hadamard matrix ``H`` along head_dim before quantizing (an outlier channel is spread over all
-channels), and the dequantized block is rotated back (``@ H.T``) on read. We rotate back
-rather than rotating the queries because a cache cannot reach the queries, nor the attention
-output that rotated values would require; the price is one (head_dim x head_dim) matmul over
-the quantized past per read, which makes rotated decoding slower (see benchmarks/RESULTS.md).
+Defaults, chosen from measurements on the bundled model (benchmarks/RESULTS.md, "Choosing the
+defaults"; the error is almost all in the keys: int4 values with int8 keys cost nothing):
+
+* ``key_group_size``: 32 tokens at 2-4 bits (halves the int4 key error of one group per
+  128-token block), the whole block at 8 bits (where finer groups would cost more metadata than
+  the int8 byte target allows);
+* ``group_size``: the largest divisor of head_dim up to 64 (one value group per token here);
+* ``rotate``: on at 2 and 3 bits, off at 4 and 8 (at 4 bits it did not change the mean
+  perplexity over four 2048-token segments, and it slows decoding).
+
+Rotation (``rotate=True``): the keys of a block are multiplied by an orthonormal Hadamard
+matrix ``H`` along head_dim before quantizing (an outlier channel is spread over all channels),
+and the dequantized block is rotated back (``@ H.T``) on read. Values are not rotated: their
+per-token groups do not suffer from channel outliers, and rotating them measured worse (int4:
++0.32 % perplexity with values rotated too vs +0.10 % keys only). We rotate back rather than
+rotating the queries because a cache cannot reach the queries; the price is one
+(head_dim x head_dim) matmul over the quantized keys per read, which makes rotated decoding
+slower (see benchmarks/RESULTS.md).
 
 Limits: only ``"full_attention"`` layers (sliding-window, chunked, linear-attention or shared
 layers raise ``ValueError``); no ``crop`` (assisted decoding); float16 scales fall back to
@@ -61,7 +73,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlib import compat
 from kvlib.quant import SUPPORTED_BITS, QuantizedTensor, hadamard, quantize, unpack
 
-__all__ = ["QuantizedKVCache", "QuantizedKVLayer"]
+__all__ = [
+    "QuantizedKVCache",
+    "QuantizedKVLayer",
+    "default_group_size",
+    "default_key_group_size",
+    "default_rotate",
+]
 
 _WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -94,6 +112,51 @@ def _check_group_size(group_size: Any, head_dim: int) -> int:
     return group_size
 
 
+# Defaults, measured on the bundled model (benchmarks/RESULTS.md, "Choosing the defaults"):
+# 32-token key groups at <= 4 bits (one group per block at 8 bits, where finer key groups would
+# cost more bytes than their error is worth), value groups of up to 64 channels, keys rotated at
+# <= 3 bits (at 4 bits rotation did not change the mean perplexity and slows decoding).
+DEFAULT_KEY_GROUP_TOKENS = 32
+DEFAULT_VALUE_GROUP_CHANNELS = 64
+
+
+def default_key_group_size(key_bits: int, residual_length: int) -> int:
+    """Tokens per key group when none is given: ``gcd(32, residual_length)`` at 2-4 bits, the
+    whole block (``residual_length``) at 8 bits."""
+    if key_bits <= 4:
+        return math.gcd(DEFAULT_KEY_GROUP_TOKENS, residual_length)
+    return residual_length
+
+
+def default_group_size(head_dim: int) -> int:
+    """Channels per value group when none is given: the largest divisor of ``head_dim`` <= 64."""
+    return max(
+        g for g in range(1, min(head_dim, DEFAULT_VALUE_GROUP_CHANNELS) + 1) if head_dim % g == 0
+    )
+
+
+def default_rotate(key_bits: int, head_dim: int) -> bool:
+    """Rotate keys when ``rotate`` is not given: at 2 and 3 bits, if head_dim is a power of
+    two (the Hadamard matrix exists)."""
+    return key_bits <= 3 and head_dim > 0 and not head_dim & (head_dim - 1)
+
+
+def _check_key_group_size(key_group_size: Any, residual_length: int, key_bits: int) -> int:
+    """Tokens per key scale group; ``None``: :func:`default_key_group_size`."""
+    if key_group_size is None:
+        return default_key_group_size(key_bits, residual_length)
+    if isinstance(key_group_size, bool) or not isinstance(key_group_size, int):
+        raise TypeError(f"key_group_size must be an int or None (got {key_group_size!r})")
+    if key_group_size <= 0 or residual_length % key_group_size:
+        divisors = [d for d in range(1, residual_length + 1) if residual_length % d == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+        raise ValueError(
+            f"key_group_size must divide residual_length {residual_length} "
+            f"(got {key_group_size}; accepted: {shown})"
+        )
+    return key_group_size
+
+
 def _cat_quantized(old: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
     """Append ``new`` blocks to ``old`` along the leading block axis (codes are not touched)."""
     if old is None:
@@ -124,8 +187,9 @@ class QuantizedKVLayer(CacheLayerMixin):
     * ``sink_keys`` / ``sink_values``: ``(batch, kv_heads, s, head_dim)`` in ``window_dtype``;
     * ``key_blocks``: a :class:`~kvlib.quant.QuantizedTensor` of shape
       ``(n, batch, kv_heads, residual_length, head_dim)`` quantized over axis 3 (tokens of a
-      block: per-channel); packed codes ``(n, batch, kv_heads, bytes)``, scales and zero points
-      ``(n, batch, kv_heads, 1, 1, head_dim)`` (one group of ``residual_length`` tokens);
+      block: per-channel) in groups of ``key_group_size`` tokens; packed codes
+      ``(n, batch, kv_heads, bytes)``, scales and zero points
+      ``(n, batch, kv_heads, residual_length // key_group_size, 1, head_dim)``;
     * ``value_blocks``: same shape, quantized over axis 4 (head_dim) in groups of
       ``group_size`` (per-token); scales ``(n, batch, kv_heads, residual_length, G, 1)``;
     * ``residual_keys`` / ``residual_values``: ``(batch, kv_heads, r, head_dim)``.
@@ -141,17 +205,24 @@ class QuantizedKVLayer(CacheLayerMixin):
         self,
         key_bits: int = 4,
         value_bits: int = 4,
-        group_size: int = 32,
+        group_size: int | None = None,
         residual_length: int = 128,
         sink_tokens: int = 4,
         rotation: torch.Tensor | None = None,
         window_dtype: torch.dtype | None = None,
+        key_group_size: int | None = None,
     ) -> None:
         super().__init__()
         self.key_bits = _check_bits(key_bits, "key_bits")
         self.value_bits = _check_bits(value_bits, "value_bits")
-        self.group_size = _check_int(group_size, "group_size", 1)
+        self.group_size_option = (
+            None if group_size is None else _check_int(group_size, "group_size", 1)
+        )
+        self.group_size = self.group_size_option  # resolved from head_dim on the first update
         self.residual_length = _check_int(residual_length, "residual_length", 1)
+        self.key_group_size = _check_key_group_size(
+            key_group_size, self.residual_length, self.key_bits
+        )
         self.sink_tokens = _check_int(sink_tokens, "sink_tokens", 0)
         if window_dtype is not None and window_dtype not in _WINDOW_DTYPES:
             raise ValueError(
@@ -190,7 +261,8 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"(got {tuple(key_states.shape)} and {tuple(value_states.shape)})"
             )
         b, h, _, d = key_states.shape
-        _check_group_size(self.group_size, d)
+        gs = self.group_size_option
+        self.group_size = _check_group_size(default_group_size(d) if gs is None else gs, d)
         if (self.residual_length * d) % 8:
             raise ValueError(
                 f"residual_length * head_dim must be a multiple of 8 so that a block's packed "
@@ -249,10 +321,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         for i in range(k.shape[2] // r):
             kb = k[:, :, i * r : (i + 1) * r].unsqueeze(0)  # (1, b, h, r, d)
             vb = v[:, :, i * r : (i + 1) * r].unsqueeze(0)
-            if self.rotation is not None:
-                rot = self.rotation.to(device=kb.device)
-                kb, vb = kb.float() @ rot, vb.float() @ rot
-            qk = quantize(kb.contiguous(), self.key_bits, axis=3)
+            if self.rotation is not None:  # keys only (see the module docstring)
+                kb = kb.float() @ self.rotation.to(device=kb.device)
+            qk = quantize(kb.contiguous(), self.key_bits, axis=3, group_size=self.key_group_size)
             qv = quantize(vb.contiguous(), self.value_bits, axis=4, group_size=self.group_size)
             lead = (1, self.batch_size, self.num_heads, -1)
             qk = dataclasses.replace(qk, packed=qk.packed.view(lead))
@@ -288,25 +359,22 @@ class QuantizedKVLayer(CacheLayerMixin):
         codes = unpack(q.packed, q.bits, q.numel)
         work = dst.dtype
         scale, offset = q.scale.to(work), q.offset.to(work)
-        if self.rotation is not None:
-            target = torch.empty((n, b, h, r, d), dtype=work, device=dst.device)
+        rotated = q.axis == 3 and self.rotation is not None
+        if q.axis == 3:  # keys: per channel in groups of kg tokens, scale (n, b, h, r/kg, 1, d)
+            kg = q.group_size
+            shape = (n, b, h, r // kg, kg, d)
+            view = (b, h, n, r // kg, kg, d)
+        else:  # values: per token in groups of g channels, scale (n, b, h, r, d/g, 1)
+            shape = (n, b, h, r, d // q.group_size, q.group_size)
+            view = (b, h, n, r, d // q.group_size, q.group_size)
+        if rotated:  # dequantize block-major, then rotate back into the output
+            target = torch.empty(shape, dtype=work, device=dst.device)
         else:  # write straight into the output, seen block-major
-            target = dst.view(b, h, n, r, d).permute(2, 0, 1, 3, 4)
-        if q.axis == 3:  # keys: per channel, scale (n, b, h, 1, 1, d)
-            grouped = target
-            codes = codes.view(n, b, h, r, d)
-            scale, offset = scale.view(n, b, h, 1, d), offset.view(n, b, h, 1, d)
-        else:  # values: per token in groups, scale (n, b, h, r, G, 1)
-            g = d // q.group_size
-            if self.rotation is not None:
-                grouped = target.view(n, b, h, r, g, q.group_size)
-            else:
-                grouped = dst.view(b, h, n, r, g, q.group_size).permute(2, 0, 1, 3, 4, 5)
-            codes = codes.view(n, b, h, r, g, q.group_size)
-        torch.mul(codes, scale, out=grouped)
-        grouped.add_(offset)
-        if self.rotation is not None:
-            back = target @ self.rotation.T.to(device=dst.device, dtype=work)
+            target = dst.view(view).permute(2, 0, 1, 3, 4, 5)
+        torch.mul(codes.view(shape), scale, out=target)
+        target.add_(offset)
+        if rotated:
+            back = target.view(n, b, h, r, d) @ self.rotation.T.to(device=dst.device, dtype=work)
             dst.view(b, h, n, r, d).copy_(back.permute(1, 2, 0, 3, 4))
 
     def _read(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -470,13 +538,18 @@ class QuantizedKVCache(Cache):
         bits: bits per key and value code, one of 2, 3, 4, 8.
         key_bits, value_bits: override ``bits`` for keys or values.
         group_size: channels per value group (per-token quantization); must divide head_dim.
+            ``None``: the largest divisor of head_dim up to 64.
         residual_length: tokens per quantized block, and the most tokens kept in the
             full-precision window (>= 1).
         sink_tokens: first tokens kept in full precision (>= 0).
-        rotate: Hadamard-rotate head_dim of keys and values before quantizing (head_dim must
-            be a power of two); undone on read.
+        rotate: Hadamard-rotate head_dim of the keys before quantizing (head_dim must be a
+            power of two); undone on read. ``None``: on at 2 and 3 key bits when head_dim is a
+            power of two, off otherwise.
         window_dtype: dtype of the sinks and window; ``None``: the model's dtype if 16-bit,
             else float16.
+        key_group_size: tokens per key scale group inside a block; must divide
+            ``residual_length``. ``None``: ``gcd(32, residual_length)`` at 2-4 key bits, the
+            whole block at 8.
 
     Raises:
         ValueError / TypeError: unsupported layer types, bits, group sizes or lengths.
@@ -489,11 +562,12 @@ class QuantizedKVCache(Cache):
         *,
         key_bits: int | None = None,
         value_bits: int | None = None,
-        group_size: int = 32,
+        group_size: int | None = None,
         residual_length: int = 128,
         sink_tokens: int = 4,
-        rotate: bool = False,
+        rotate: bool | None = None,
         window_dtype: torch.dtype | None = None,
+        key_group_size: int | None = None,
     ) -> None:
         if not hasattr(config, "get_text_config"):
             raise TypeError(
@@ -504,16 +578,21 @@ class QuantizedKVCache(Cache):
         value_bits = bits if value_bits is None else _check_bits(value_bits, "value_bits")
         text = config.get_text_config(decoder=True)
         head_dim = _head_dim(text)
-        _check_group_size(group_size, head_dim)
+        group_size = _check_group_size(
+            default_group_size(head_dim) if group_size is None else group_size, head_dim
+        )
         _check_int(residual_length, "residual_length", 1)
         _check_int(sink_tokens, "sink_tokens", 0)
+        key_group_size = _check_key_group_size(key_group_size, residual_length, key_bits)
         if (residual_length * head_dim) % 8:
             raise ValueError(
                 f"residual_length * head_dim must be a multiple of 8 so that a block's packed "
                 f"codes fill whole bytes (got {residual_length} * {head_dim})"
             )
+        if rotate is None:
+            rotate = default_rotate(key_bits, head_dim)
         if not isinstance(rotate, bool):
-            raise TypeError(f"rotate must be a bool (got {rotate!r})")
+            raise TypeError(f"rotate must be a bool or None (got {rotate!r})")
         if rotate and (head_dim & (head_dim - 1)):
             raise ValueError(
                 f"rotate=True needs head_dim to be a power of two (got head_dim {head_dim})"
@@ -527,6 +606,7 @@ class QuantizedKVCache(Cache):
             )
         self.bits, self.key_bits, self.value_bits = bits, key_bits, value_bits
         self.group_size, self.residual_length = group_size, residual_length
+        self.key_group_size = key_group_size
         self.sink_tokens, self.rotate, self.head_dim = sink_tokens, rotate, head_dim
         self.rotation = hadamard(head_dim) if rotate else None
         layers = [
@@ -538,6 +618,7 @@ class QuantizedKVCache(Cache):
                 sink_tokens,
                 rotation=self.rotation,
                 window_dtype=window_dtype,
+                key_group_size=key_group_size,
             )
             for _ in types
         ]
@@ -550,8 +631,8 @@ class QuantizedKVCache(Cache):
             else f"key_bits={self.key_bits}, value_bits={self.value_bits}"
         )
         return (
-            f"QuantizedKVCache({bits}, group_size={self.group_size}, residual_length="
-            f"{self.residual_length}, sink_tokens={self.sink_tokens}, rotate={self.rotate}, "
+            f"QuantizedKVCache({bits}, group_size={self.group_size}, key_group_size="
+            f"{self.key_group_size}, residual_length={self.residual_length}, sink_tokens={self.sink_tokens}, rotate={self.rotate}, "
             f"layers={len(self.layers)}, tokens={self.get_seq_length()})"
         )
 

@@ -119,30 +119,26 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     p = p[:need]
     if bits == 8:
         return p
-    # Each code position is written straight into a strided column of the output by one
-    # elementwise uint8 kernel: no stack/cat, no wide intermediates.
+    # Each code position is computed by a contiguous uint8 kernel, then one stack interleaves
+    # them (measured faster on CPU than writing each position into a strided output column).
     if bits == 4:
-        out = torch.empty(need, 2, dtype=torch.uint8, device=p.device)
-        torch.bitwise_and(p, 0x0F, out=out[:, 0])
-        torch.bitwise_right_shift(p, 4, out=out[:, 1])
+        parts = [p & 0x0F, p >> 4]
     elif bits == 2:
-        out = torch.empty(need, 4, dtype=torch.uint8, device=p.device)
-        torch.bitwise_and(p, 3, out=out[:, 0])
-        torch.bitwise_and(p >> 2, 3, out=out[:, 1])
-        torch.bitwise_and(p >> 4, 3, out=out[:, 2])
-        torch.bitwise_right_shift(p, 6, out=out[:, 3])
+        parts = [p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6]
     else:
         b = p.view(-1, 3)
         b0, b1, b2 = b[:, 0], b[:, 1], b[:, 2]
-        out = torch.empty(b.shape[0], 8, dtype=torch.uint8, device=p.device)
-        torch.bitwise_and(b0, 7, out=out[:, 0])
-        torch.bitwise_and(b0 >> 3, 7, out=out[:, 1])
-        torch.bitwise_or(b0 >> 6, (b1 & 1) << 2, out=out[:, 2])
-        torch.bitwise_and(b1 >> 1, 7, out=out[:, 3])
-        torch.bitwise_and(b1 >> 4, 7, out=out[:, 4])
-        torch.bitwise_or(b1 >> 7, (b2 & 3) << 1, out=out[:, 5])
-        torch.bitwise_and(b2 >> 2, 7, out=out[:, 6])
-        torch.bitwise_right_shift(b2, 5, out=out[:, 7])
+        parts = [
+            b0 & 7,
+            (b0 >> 3) & 7,
+            (b0 >> 6) | ((b1 & 1) << 2),
+            (b1 >> 1) & 7,
+            (b1 >> 4) & 7,
+            (b1 >> 7) | ((b2 & 3) << 1),
+            (b2 >> 2) & 7,
+            b2 >> 5,
+        ]
+    out = torch.stack(parts, dim=1)
     out = out.view(-1)
     return out if out.numel() == n else out[:n]
 

@@ -152,9 +152,17 @@ def test_byte_accounting_hand_count():
     t = s + 2 * r + 5  # 4 sinks, 2 blocks, 5 in the window
     torch.manual_seed(0)
     k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
-    for kb, vb in ((4, 4), (3, 2), (8, 8)):
+    for kb, vb, kg in ((4, 4, 8), (3, 2, 4), (8, 8, 2), (4, 2, 1)):
         cache = QuantizedKVCache(
-            cfg, 4, key_bits=kb, value_bits=vb, group_size=g, residual_length=r, sink_tokens=s
+            cfg,
+            4,
+            key_bits=kb,
+            value_bits=vb,
+            group_size=g,
+            residual_length=r,
+            sink_tokens=s,
+            key_group_size=kg,
+            rotate=False,
         )
         feed(cache, k, v, [7, 13, t - 20])
         # per layer, keys and values each: sinks + window in float16 (2 B)
@@ -162,7 +170,8 @@ def test_byte_accounting_hand_count():
         n = 2
         key_codes = n * b * h * math.ceil(r * d * kb / 8) if kb != 3 else n * b * h * r * d * 3 // 8
         val_codes = n * b * h * math.ceil(r * d * vb / 8) if vb != 3 else n * b * h * r * d * 3 // 8
-        key_meta = n * b * h * d * 2 * 2  # one fp16 scale + zero point per channel per block
+        # one fp16 scale + zero point per channel per group of kg tokens of a block
+        key_meta = n * b * h * (r // kg) * d * 2 * 2
         val_meta = n * b * h * r * (d // g) * 2 * 2  # per token, per group of g channels
         per_layer = full + key_codes + val_codes + key_meta + val_meta
         assert cache.nbytes() == 2 * per_layer
@@ -172,9 +181,50 @@ def test_byte_accounting_hand_count():
         assert cache.layers[0].key_blocks.code_nbytes == n * packed_nbytes(b * h * r * d, kb)
     rotated = QuantizedKVCache(cfg, 4, group_size=g, residual_length=r, rotate=True)
     feed(rotated, k, v, [t])
-    unrotated = QuantizedKVCache(cfg, 4, group_size=g, residual_length=r)
+    unrotated = QuantizedKVCache(cfg, 4, group_size=g, residual_length=r, rotate=False)
     feed(unrotated, k, v, [t])
     assert rotated.nbytes() == unrotated.nbytes() + d * d * 4  # the shared Hadamard matrix
+
+
+def test_defaults_resolve_per_width():
+    cfg = tiny_config(head_dim=64)
+    c4, c3, c8 = (QuantizedKVCache(cfg, b) for b in (4, 3, 8))
+    assert (c4.key_group_size, c4.group_size, c4.rotate) == (32, 64, False)
+    assert (c3.key_group_size, c3.group_size, c3.rotate) == (32, 64, True)
+    assert (c8.key_group_size, c8.group_size, c8.rotate) == (128, 64, False)
+    # key_bits decides the key defaults; a residual_length that 32 does not divide gets gcd
+    mixed = QuantizedKVCache(cfg, 8, key_bits=2, residual_length=48)
+    assert (mixed.key_group_size, mixed.rotate) == (16, True)
+    # head_dim 80: value groups of 40, and no Hadamard matrix exists, so no default rotation
+    odd = QuantizedKVCache(tiny_config(head_dim=80), 2)
+    assert (odd.group_size, odd.rotate) == (40, False)
+    # explicit values win, and the repr shows what was resolved
+    c = QuantizedKVCache(cfg, 3, key_group_size=64, group_size=16, rotate=False)
+    assert (c.key_group_size, c.group_size, c.rotate) == (64, 16, False)
+    assert "key_group_size=64" in repr(c) and "rotate=False" in repr(c)
+    layer = c.layers[0]
+    assert (layer.key_group_size, layer.rotation) == (64, None)
+
+
+def test_key_groups_shrink_the_key_error():
+    """Finer key groups inside a block: exact metadata count and a smaller key error."""
+    torch.manual_seed(6)
+    k, v = torch.randn(1, 2, 4 + 128, 16), torch.randn(1, 2, 4 + 128, 16)
+    k = k * torch.linspace(0.5, 2.0, 128 + 4).view(1, 1, -1, 1)  # a drifting channel scale
+    errs, metas = {}, {}
+    for kg in (128, 32, 8):
+        layer = QuantizedKVLayer(4, 4, group_size=16, residual_length=128, key_group_size=kg)
+        feed(layer, k, v, [40, 92])
+        assert layer.key_blocks.scale.shape == (1, 1, 2, 128 // kg, 1, 16)
+        rk, _ = layer.dequantized()
+        errs[kg] = float((rk - k).pow(2).mean())
+        metas[kg] = layer.key_blocks.metadata_nbytes
+        ref = (
+            layer.key_blocks.dequantize(torch.float32).permute(1, 2, 0, 3, 4).reshape(1, 2, -1, 16)
+        )
+        torch.testing.assert_close(rk[:, :, 4:], ref)
+    assert errs[8] < errs[32] < errs[128]
+    assert metas[8] == 4 * metas[32] == 16 * metas[128] == 16 * 2 * 16 * 2 * 2
 
 
 def test_chunked_prefill_equals_one_shot():
@@ -249,8 +299,9 @@ def _half_step_ok(q, original: torch.Tensor) -> bool:
     x = original
     err = (q.dequantize(torch.float32) - x).abs()
     step = q.step()
-    if q.axis == 3:
-        step = step.view(q.shape[0], q.shape[1], q.shape[2], 1, q.shape[4])
+    if q.axis == 3:  # per channel, in groups of group_size tokens
+        n, b, h, r, d = q.shape
+        err = err.view(n, b, h, r // q.group_size, q.group_size, d)
         bound = 0.5 * step
     else:
         n, b, h, r, d = q.shape
@@ -264,6 +315,7 @@ def _half_step_ok(q, original: torch.Tensor) -> bool:
 @given(
     bits=st.sampled_from([2, 3, 4, 8]),
     residual_length=st.sampled_from([1, 2, 8, 16]),
+    key_groups=st.sampled_from([1, 2, 4]),
     sink_tokens=st.integers(0, 5),
     group_size=st.sampled_from([4, 8, 16]),
     batch=st.integers(1, 2),
@@ -273,7 +325,7 @@ def _half_step_ok(q, original: torch.Tensor) -> bool:
     seed=st.integers(0, 2**16),
 )
 def test_layer_property_reconstruction(
-    bits, residual_length, sink_tokens, group_size, batch, tokens, chunk, scale, seed
+    bits, residual_length, key_groups, sink_tokens, group_size, batch, tokens, chunk, scale, seed
 ):
     g = torch.Generator().manual_seed(seed)
     d = 16
@@ -287,6 +339,7 @@ def test_layer_property_reconstruction(
         residual_length=residual_length,
         sink_tokens=sink_tokens,
         window_dtype=torch.float32,
+        key_group_size=max(1, residual_length // key_groups),
     )
     chunks = [min(chunk, tokens - i) for i in range(0, tokens, chunk)]
     outs = feed(layer, k, v, chunks)
@@ -327,12 +380,18 @@ def test_rotation_round_trip():
     layer = QuantizedKVLayer(8, 8, group_size=32, residual_length=32, sink_tokens=4, rotation=rot)
     feed(layer, k, v, [100])
     rk, rv = layer.dequantized()
-    # stored codes are of the rotated states; reading rotates back
+    # stored key codes are of the rotated states; reading rotates back
     ref = layer.key_blocks.dequantize(torch.float32) @ rot.T
     torch.testing.assert_close(rk[:, :, 4:100], ref.permute(1, 2, 0, 3, 4).reshape(1, 2, -1, d))
     rel = (rk - k).norm() / k.norm()
     assert rel < 0.01
     assert (rv - v).norm() / v.norm() < 0.01
+    # values are not rotated: their codes equal an unrotated layer's, the keys' do not
+    plain = QuantizedKVLayer(8, 8, group_size=32, residual_length=32, sink_tokens=4)
+    feed(plain, k, v, [100])
+    assert torch.equal(plain.value_blocks.packed, layer.value_blocks.packed)
+    assert not torch.equal(plain.key_blocks.packed, layer.key_blocks.packed)
+    torch.testing.assert_close(plain.dequantized()[1], rv, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ bad input
@@ -354,6 +413,14 @@ def test_bad_input():
         QuantizedKVCache(cfg, 4, group_size=0)
     with pytest.raises(TypeError, match="group_size must be an int"):
         QuantizedKVCache(cfg, 4, group_size=8.0)
+    with pytest.raises(
+        ValueError, match="key_group_size must divide residual_length 128 \\(got 48"
+    ):
+        QuantizedKVCache(cfg, 4, group_size=8, key_group_size=48)
+    with pytest.raises(ValueError, match="key_group_size must divide"):
+        QuantizedKVCache(cfg, 4, group_size=8, key_group_size=0)
+    with pytest.raises(TypeError, match="key_group_size must be an int or None"):
+        QuantizedKVLayer(key_group_size=8.0)
     with pytest.raises(ValueError, match="residual_length must be an int >= 1"):
         QuantizedKVCache(cfg, 4, group_size=8, residual_length=0)
     with pytest.raises(TypeError, match="residual_length must be an int"):
