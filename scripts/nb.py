@@ -30,10 +30,17 @@ from nbclient.exceptions import CellExecutionError
 
 CELL_TIMEOUT_S = 600
 
+# The numeric path notebooks are executed and nbval-checked on (the Makefile's NB_ENV holds the
+# same values): AVX2 ATen kernels, MKL's reproducible AVX2 mode, two threads. Values already in
+# the environment win, so `ATEN_CPU_CAPABILITY=avx512 python scripts/nb.py ...` still works.
+REFERENCE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "OMP_NUM_THREADS": "2"}
+
 
 def execute_notebook(path: Path, out: Path) -> tuple[bool, float, str]:
     """Execute ``path`` with its folder as working directory; write the result to ``out``."""
     nb = nbformat.read(path, as_version=4)
+    for key, value in REFERENCE_ENV.items():
+        os.environ.setdefault(key, value)  # inherited by the kernel process
     env_before = os.environ.get("PYDEVD_DISABLE_FILE_VALIDATION")
     os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # silences a debugger warning on stderr
     client = NotebookClient(
