@@ -11,6 +11,7 @@ a second. The weights are bit-identical either way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -19,6 +20,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -94,6 +96,17 @@ def quiet() -> Iterator[None]:
     tlog.set_verbosity_error()
     tlog.disable_progress_bar()
     hub_logger.setLevel(logging.CRITICAL)
+    # The GGUF converter calls tqdm.auto directly (not transformers' switchable bar); in a
+    # notebook that is a widget on stdout, which redirecting stderr does not catch.
+    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf_utils is None:
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        except ImportError:  # gguf not installed: nothing to silence
+            gguf_utils = None
+    gguf_bar = getattr(gguf_utils, "tqdm", None)
+    if gguf_bar is not None:
+        gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
@@ -103,6 +116,8 @@ def quiet() -> Iterator[None]:
         hub_logger.setLevel(hub_level)
         if bars:
             tlog.enable_progress_bar()
+        if gguf_bar is not None:
+            gguf_utils.tqdm = gguf_bar
 
 
 def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:

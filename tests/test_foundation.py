@@ -118,3 +118,17 @@ def test_unreachable_hub_id_names_offline_default(monkeypatch) -> None:
 def test_load_model_rejects_bad_dtype() -> None:
     with pytest.raises(ValueError, match="dtype"):
         load_model(dtype="int8")
+
+
+def test_quiet_silences_the_gguf_converters_own_progress_bar() -> None:
+    """The first load converts the GGUF with tqdm.auto, which a notebook shows on stdout."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from kvlib.models import quiet
+
+    original = gguf_utils.tqdm
+    with quiet():
+        bar = gguf_utils.tqdm(range(3), desc="converting")
+        assert bar.disable
+        bar.close()
+    assert gguf_utils.tqdm is original
