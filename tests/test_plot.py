@@ -35,3 +35,20 @@ def test_memory_lines_and_bytes_formatter():
     assert len(ax.lines) == 2
     assert plot.bytes_formatter()(2**30, 0) == "1 GiB"
     plt.close("all")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("1", False), ("true", False), ("0", True), ("", True)]
+)
+def test_interactive_follows_headless_env(monkeypatch, value: str, expected: bool) -> None:
+    """make run / make test set KVLIB_HEADLESS=1: notebooks then build no widgets."""
+    monkeypatch.setenv(plot.HEADLESS_ENV_VAR, value)
+    assert plot.interactive() is expected  # ipywidgets is installed in the test environment
+
+
+def test_interactive_without_ipywidgets(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.delenv(plot.HEADLESS_ENV_VAR, raising=False)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import fails
+    assert plot.interactive() is False

@@ -1,0 +1,149 @@
+"""The committed notebooks are what nbval can check, on any machine.
+
+nbval compares every output of every code cell as text. These tests hold the rules that make
+that comparison meaningful and portable (README, "How the notebooks are checked"): notebooks
+committed executed top to bottom, no stderr, no cell exempted from comparison unless an assert
+in it checks what the text says, no skipped cells, CPU kernels never pinned, and `make test`
+running nbval on two numeric paths.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _nb_script():
+    spec = importlib.util.spec_from_file_location("kvlab_nb_script", ROOT / "scripts" / "nb.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _code_cells(path: Path) -> list[tuple[int, nbformat.NotebookNode]]:
+    nb = nbformat.read(path, as_version=4)
+    return [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+
+
+def _makefile_target(name: str) -> str:
+    makefile = (ROOT / "Makefile").read_text()
+    m = re.search(rf"^{re.escape(name)}: .*?(?=\n\n|\Z)", makefile, re.M | re.S)
+    assert m, f"Makefile has no target {name}"
+    return m.group(0)
+
+
+def _makefile_var(name: str) -> str:
+    m = re.search(rf"^{name}\s*[:?]?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, f"Makefile defines no {name}"
+    return m.group(1).strip()
+
+
+def test_there_are_notebooks() -> None:
+    assert len(NOTEBOOKS) >= 9
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_executed_top_to_bottom(path: Path) -> None:
+    counts = [c.execution_count for _, c in _code_cells(path)]
+    assert counts == list(range(1, len(counts) + 1)), f"{path.name}: re-run `make notebooks`"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_stderr_and_no_errors(path: Path) -> None:
+    for i, cell in _code_cells(path):
+        for out in cell.outputs:
+            assert out.output_type != "error", f"{path.name} cell {i} was saved with an error"
+            assert not (out.output_type == "stream" and out.name == "stderr"), (
+                f"{path.name} cell {i} writes to stderr: {out.text[:120]!r}"
+            )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_exempted_cell_asserts_what_it_shows(path: Path) -> None:
+    """An output nbval does not compare must be checked by an assert in the same cell."""
+    report = _nb_script().audit([path])[path.name]
+    assert report["skipped"] == 0, "skipped cells do not run: nothing in them is checked"
+    assert report["unchecked"] == [], (
+        f"{path.name}: cells {report['unchecked']} are NBVAL_IGNORE_OUTPUT without an assert"
+    )
+
+
+def test_audit_finds_an_ignored_cell_without_assert(tmp_path: Path) -> None:
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT\nprint(1)"),
+            nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT\nx = 1\nassert x == 1"),
+            nbformat.v4.new_code_cell("%pip install x\n# NBVAL_SKIP\nassert True"),
+            nbformat.v4.new_code_cell("print(2)  # mentions assert but has none"),
+        ]
+    )
+    path = tmp_path / "00_x.ipynb"
+    nbformat.write(nb, path)
+    report = _nb_script().audit([path])[path.name]
+    assert report == {"compared": 1, "ignored": 2, "skipped": 1, "unchecked": [0]}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_widgets_only_where_a_front_end_answers(path: Path) -> None:
+    """Headless runs (make run / make test) would wait on widget messages (nbclient#312)."""
+    for i, cell in _code_cells(path):
+        if re.search(r"\bwidgets\.\w+\(", cell.source):
+            assert "interactive()" in cell.source, f"{path.name} cell {i}: guard with interactive()"
+
+
+def test_make_test_checks_notebooks_on_two_numeric_paths() -> None:
+    body = _makefile_target("test")
+    nbval_lines = [ln.strip() for ln in body.splitlines() if "$(NBVAL_OPTS)" in ln]
+    assert len(nbval_lines) == 2, nbval_lines
+    assert not nbval_lines[0].startswith("env "), "the first pass runs the machine's default path"
+    assert "$(NBVAL_PATH_2)" in nbval_lines[1]
+    second = dict(item.split("=", 1) for item in _makefile_var("NBVAL_PATH_2").split())
+    assert second == {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
+
+
+def test_no_cpu_specific_pinning() -> None:
+    """Pinning kernels hides last-bit dependence instead of removing it (README)."""
+    pin = re.compile(r"ATEN_CPU_CAPABILITY=avx|MKL_CBWR=AVX")
+    for name in ("scripts/nb.py", ".ci/run", "notebooks/conftest.py"):
+        assert not pin.search((ROOT / name).read_text()), name
+    for target in ("run", "test", "nbval", "notebooks"):
+        assert not pin.search(_makefile_target(target)), target
+        assert "NB_ENV" not in _makefile_target(target), target
+
+
+def test_one_cell_timeout() -> None:
+    """Make passes its CELL_TIMEOUT to nbval and to scripts/nb.py; nb.py's default is the same."""
+    timeout = int(_makefile_var("CELL_TIMEOUT"))
+    assert "--nbval-cell-timeout $(CELL_TIMEOUT)" in _makefile_var("NBVAL_OPTS")
+    for target in ("run", "notebooks"):
+        assert "--timeout $(CELL_TIMEOUT)" in _makefile_target(target)
+    assert _nb_script().DEFAULT_CELL_TIMEOUT_S == timeout
+    assert 30 <= timeout <= 300, "near 3x the slowest cell, not a ten-minute wait"
+
+
+def test_sanitizer_is_regex_replace_pairs_for_volatile_text_only() -> None:
+    lines = [
+        ln
+        for ln in (ROOT / "notebooks" / "nbval_sanitize.cfg").read_text().splitlines()
+        if ln.startswith(("regex:", "replace:"))
+    ]
+    assert lines and len(lines) % 2 == 0
+    for regex, replace in zip(lines[::2], lines[1::2], strict=True):
+        assert regex.startswith("regex:") and replace.startswith("replace:")
+        pattern = re.compile(regex.split(":", 1)[1].strip())
+        # A pattern that swallows any plain decimal number would hide a measurement.
+        for number in ("0.0151", "2.635", "17.93", "3078", "12.5"):
+            assert not pattern.fullmatch(number), (regex, number)
+
+
+def test_nbval_runs_headless() -> None:
+    conftest = (ROOT / "notebooks" / "conftest.py").read_text()
+    assert 'os.environ["KVLIB_HEADLESS"] = "1"' in conftest
+    assert _nb_script().HEADLESS_ENV["KVLIB_HEADLESS"] == "1"
