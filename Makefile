@@ -38,8 +38,9 @@ $(STAMP): requirements.txt pyproject.toml
 run: setup
 	$(VPY) scripts/nb.py run --timeout $(CELL_TIMEOUT) --out build/notebooks $(NOTEBOOKS)
 
-## test: unit + property tests, then strict nbval over every notebook on two numeric paths
+## test: import layers, unit + property tests, then strict nbval on two numeric paths
 test: setup
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest tests
 	$(VPY) -m pytest $(NBVAL_OPTS) $(NOTEBOOKS)
 	env $(NBVAL_PATH_2) $(VPY) -m pytest $(NBVAL_OPTS) $(NOTEBOOKS)
@@ -59,6 +60,7 @@ nbval-portable: setup
 	done
 
 lint: setup
+	$(VENV)/bin/lint-imports
 	$(VPY) -m ruff check kvlib tests benchmarks scripts
 	$(VPY) -m ruff format --check kvlib tests benchmarks scripts
 

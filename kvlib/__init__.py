@@ -17,6 +17,8 @@ module         what it holds                                               noteb
 ``serving``    trace-driven serving simulation (waste, concurrency)        06
 ``harness``    the full-model run: memory, speed, quality, what fits       07
 ``plan``       scenario-based recommendations and engine flags             08
+``plot``       the notebooks' shared plots; ``interactive()`` for widgets  all
+``cli``        the ``kvlib`` command line (memory, plan, models)           08
 ``models``     loading the bundled offline model (or any hub model)        00
 ``device``     device selection and seeding                                00
 ``data``       offline evaluation text                                     00
@@ -36,6 +38,7 @@ _SUBMODULES = (
     "bitalloc",
     "cache",
     "capture",
+    "cli",
     "compat",
     "data",
     "device",
@@ -46,6 +49,7 @@ _SUBMODULES = (
     "paged",
     "pca",
     "plan",
+    "plot",
     "quant",
     "serving",
 )

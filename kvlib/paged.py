@@ -17,24 +17,21 @@ sequences (reference counts; copy-on-write when a shared, partly filled block is
 * :class:`PagedCache` / :class:`PagedCacheLayer` — a transformers ``Cache`` backed by the pool,
   so ``model.generate(..., cache=PagedCache(model.config, num_blocks=...))`` runs on it.
 
-The serving simulation (:func:`simulate_serving`, :func:`make_trace`, :class:`ServingStats`) lives
-in :mod:`kvlib.serving` and is re-exported here.
+The serving simulation (:func:`~kvlib.serving.simulate_serving`, :func:`~kvlib.serving.make_trace`,
+:class:`~kvlib.serving.ServingStats`) lives in :mod:`kvlib.serving`, which builds on this module
+(and never the other way round: ``pyproject.toml``'s import-linter contracts check it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-if TYPE_CHECKING:  # re-exported lazily at the bottom of this module (no circular import)
-    from kvlib.serving import POLICIES, Request, ServingStats, make_trace, simulate_serving
-
 __all__ = [
-    "POLICIES",
     "Appended",
     "BlockAllocator",
     "OutOfBlocks",
@@ -42,14 +39,10 @@ __all__ = [
     "PagedCacheLayer",
     "PagedKVCache",
     "ParallelSampling",
-    "Request",
-    "ServingStats",
     "blocks_needed",
     "dense_attention",
-    "make_trace",
     "paged_attention",
     "parallel_sampling",
-    "simulate_serving",
 ]
 
 
@@ -740,16 +733,3 @@ def parallel_sampling(
         timeline_shared=results[True][2],
         timeline_unshared=results[False][2],
     )
-
-
-# The serving simulation lives in kvlib.serving (which imports the allocator above); its names are
-# re-exported here lazily so that importing either module first works.
-_SERVING_NAMES = ("POLICIES", "Request", "ServingStats", "make_trace", "simulate_serving")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _SERVING_NAMES:
-        import kvlib.serving
-
-        return getattr(kvlib.serving, name)
-    raise AttributeError(f"module 'kvlib.paged' has no attribute {name!r}")

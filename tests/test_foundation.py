@@ -132,3 +132,15 @@ def test_quiet_silences_the_gguf_converters_own_progress_bar() -> None:
         assert bar.disable
         bar.close()
     assert gguf_utils.tqdm is original
+
+
+def test_every_module_is_a_lazy_submodule() -> None:
+    """``kvlib.<module>`` works for every module of the package, and nothing else is listed."""
+    from pathlib import Path
+
+    modules = {
+        p.stem for p in Path(kvlib.__file__).parent.glob("*.py") if not p.stem.startswith("_")
+    }
+    assert set(kvlib._SUBMODULES) == modules
+    for name in sorted(modules):
+        assert getattr(kvlib, name).__name__ == f"kvlib.{name}"

@@ -14,12 +14,10 @@ from kvlib.paged import (
     PagedKVCache,
     blocks_needed,
     dense_attention,
-    make_trace,
     paged_attention,
     parallel_sampling,
-    simulate_serving,
 )
-from kvlib.serving import Request, ServingStats
+from kvlib.serving import Request, ServingStats, make_trace, simulate_serving
 
 # --- BlockAllocator ---------------------------------------------------------------------------
 
