@@ -39,3 +39,14 @@ def eval_ids(tokenizer) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _seed():
     kvlib.seed_everything(0)
+
+
+_MODEL_FIXTURES = {"model", "tokenizer", "model_and_tokenizer", "eval_ids"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests that load or run the bundled model are marked ``slow``:
+    ``pytest -m "not slow"`` runs the rest in well under a minute."""
+    for item in items:
+        if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

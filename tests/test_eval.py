@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -70,9 +71,23 @@ def test_generation_benchmark_and_no_deprecation_warning(model, tokenizer, eval_
 
 
 def test_compat_keyword_and_errors(model):
-    assert compat.cache_kwarg(model) in ("cache", "past_key_values")
+    # The keyword is one the installed model's forward really takes (so passing it works).
+    assert compat.cache_kwarg(model) in inspect.signature(type(model).forward).parameters
     assert set(compat.layer_types(model.config)) == {"full_attention"}
     with pytest.raises(ValueError, match="backend must be one of"):
         compat.hf_quantized_cache(model.config, "gguf")
     with pytest.raises(ValueError, match=r"shape \(batch, seq_len\)"):
         compat.forward(model, torch.tensor([1, 2, 3]))
+
+
+def test_cache_kwarg_follows_the_signature() -> None:
+    """transformers renamed past_key_values to cache within 5.x; the adapter reads which."""
+
+    def new_forward(self, input_ids=None, cache=None, past_key_values=None): ...
+
+    def old_forward(self, input_ids=None, past_key_values=None): ...
+
+    new_model = type("NewLM", (), {"forward": new_forward})()
+    old_model = type("OldLM", (), {"forward": old_forward})()
+    assert compat.cache_kwarg(new_model) == "cache"
+    assert compat.cache_kwarg(old_model) == "past_key_values"

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from kvlib import compat, harness, memory
 
 ROOT = Path(__file__).resolve().parents[1]
-HAVE_KVLIB_CACHE = importlib.util.find_spec("kvlib.cache") is not None
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -61,7 +60,6 @@ def test_factories_make_fresh_caches(model):
         harness.cache_factory("dynamic", model.config, bits=4)
 
 
-@pytest.mark.skipif(not HAVE_KVLIB_CACHE, reason="kvlib.cache not written yet")
 def test_kvlib_factories(model):
     from kvlib.cache import QuantizedKVCache
 
