@@ -63,7 +63,6 @@ float32 per quantized block where float16 cannot hold them (see :mod:`kvlib.quan
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -71,7 +70,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib import compat
-from kvlib.quant import SUPPORTED_BITS, QuantizedTensor, hadamard, quantize, unpack
+from kvlib.quant import SUPPORTED_BITS, QuantizedTensor, hadamard, quantize
 
 __all__ = [
     "QuantizedKVCache",
@@ -155,27 +154,6 @@ def _check_key_group_size(key_group_size: Any, residual_length: int, key_bits: i
             f"(got {key_group_size}; accepted: {shown})"
         )
     return key_group_size
-
-
-def _cat_quantized(old: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
-    """Append ``new`` blocks to ``old`` along the leading block axis (codes are not touched)."""
-    if old is None:
-        return new
-    scale_dtype = torch.promote_types(old.scale.dtype, new.scale.dtype)
-    packed = torch.cat([old.packed, new.packed], dim=0)
-    scale = torch.cat([old.scale.to(scale_dtype), new.scale.to(scale_dtype)], dim=0)
-    offset = torch.cat([old.offset.to(scale_dtype), new.offset.to(scale_dtype)], dim=0)
-    shape = torch.Size((old.shape[0] + new.shape[0], *old.shape[1:]))
-    return dataclasses.replace(old, packed=packed, scale=scale, offset=offset, shape=shape)
-
-
-def _select_batch(q: QuantizedTensor, fn: Any) -> QuantizedTensor:
-    """Apply a batch-axis selection ``fn`` (on dim 1) to a block tensor's codes and metadata."""
-    packed, scale, offset = fn(q.packed), fn(q.scale), fn(q.offset)
-    shape = torch.Size((q.shape[0], packed.shape[1], *q.shape[2:]))
-    return dataclasses.replace(
-        q, packed=packed.contiguous(), scale=scale, offset=offset, shape=shape
-    )
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -325,11 +303,10 @@ class QuantizedKVLayer(CacheLayerMixin):
                 kb = kb.float() @ self.rotation.to(device=kb.device)
             qk = quantize(kb.contiguous(), self.key_bits, axis=3, group_size=self.key_group_size)
             qv = quantize(vb.contiguous(), self.value_bits, axis=4, group_size=self.group_size)
-            lead = (1, self.batch_size, self.num_heads, -1)
-            qk = dataclasses.replace(qk, packed=qk.packed.view(lead))
-            qv = dataclasses.replace(qv, packed=qv.packed.view(lead))
-            self.key_blocks = _cat_quantized(self.key_blocks, qk)
-            self.value_blocks = _cat_quantized(self.value_blocks, qv)
+            # rows (block, batch, head): appended and batch-selected without unpacking
+            qk, qv = qk.with_rows(3), qv.with_rows(3)
+            self.key_blocks = qk if self.key_blocks is None else self.key_blocks.cat(qk)
+            self.value_blocks = qv if self.value_blocks is None else self.value_blocks.cat(qv)
             self.n_blocks += 1
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -352,30 +329,19 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ read
 
-    def _dequantize_into(self, q: QuantizedTensor, dst: torch.Tensor) -> None:
-        """Dequantize all blocks of ``q`` into ``dst`` ``(batch, kv_heads, n * R, head_dim)``
-        (a view of the output), in one vectorised pass."""
+    def _dequantize_into(self, q: QuantizedTensor, dst: torch.Tensor, rotated: bool) -> None:
+        """Dequantize all blocks ``q`` ``(n, batch, kv_heads, R, head_dim)`` into ``dst``
+        ``(batch, kv_heads, n * R, head_dim)`` (a view of the output), in one vectorised pass;
+        ``rotated`` keys are rotated back with the transposed Hadamard matrix."""
         n, b, h, r, d = q.shape
-        codes = unpack(q.packed, q.bits, q.numel)
-        work = dst.dtype
-        scale, offset = q.scale.to(work), q.offset.to(work)
-        rotated = q.axis == 3 and self.rotation is not None
-        if q.axis == 3:  # keys: per channel in groups of kg tokens, scale (n, b, h, r/kg, 1, d)
-            kg = q.group_size
-            shape = (n, b, h, r // kg, kg, d)
-            view = (b, h, n, r // kg, kg, d)
-        else:  # values: per token in groups of g channels, scale (n, b, h, r, d/g, 1)
-            shape = (n, b, h, r, d // q.group_size, q.group_size)
-            view = (b, h, n, r, d // q.group_size, q.group_size)
         if rotated:  # dequantize block-major, then rotate back into the output
-            target = torch.empty(shape, dtype=work, device=dst.device)
-        else:  # write straight into the output, seen block-major
-            target = dst.view(view).permute(2, 0, 1, 3, 4, 5)
-        torch.mul(codes.view(shape), scale, out=target)
-        target.add_(offset)
-        if rotated:
-            back = target.view(n, b, h, r, d) @ self.rotation.T.to(device=dst.device, dtype=work)
+            block_major = q.dequantize_into(
+                torch.empty(q.shape, dtype=dst.dtype, device=dst.device)
+            )
+            back = block_major @ self.rotation.T.to(device=dst.device, dtype=dst.dtype)
             dst.view(b, h, n, r, d).copy_(back.permute(1, 2, 0, 3, 4))
+        else:  # write straight into the output, seen block-major
+            q.dequantize_into(dst.view(b, h, n, r, d).permute(2, 0, 1, 3, 4))
 
     def _read(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """The cached past followed by the new states, each (batch, kv_heads, T + q, head_dim)."""
@@ -384,9 +350,15 @@ class QuantizedKVLayer(CacheLayerMixin):
         r = self.residual_keys.shape[2]
         q = key_states.shape[2]
         outs = []
-        for sink, blocks, res, new in (
-            (self.sink_keys, self.key_blocks, self.residual_keys, key_states),
-            (self.sink_values, self.value_blocks, self.residual_values, value_states),
+        for sink, blocks, res, new, rotated in (
+            (
+                self.sink_keys,
+                self.key_blocks,
+                self.residual_keys,
+                key_states,
+                self.rotation is not None,
+            ),
+            (self.sink_values, self.value_blocks, self.residual_values, value_states, False),
         ):
             out = torch.empty(
                 (self.batch_size, self.num_heads, s + nr + r + q, self.head_dim),
@@ -396,7 +368,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             if s:
                 out[:, :, :s].copy_(sink)
             if nr:
-                self._dequantize_into(blocks, out[:, :, s : s + nr])
+                self._dequantize_into(blocks, out[:, :, s : s + nr], rotated)
             if r:
                 out[:, :, s + nr : s + nr + r].copy_(res)
             out[:, :, s + nr + r :].copy_(new)
@@ -457,31 +429,34 @@ class QuantizedKVLayer(CacheLayerMixin):
             "(assisted/speculative decoding needs a DynamicCache)"
         )
 
-    def _map_batch(self, fn_bhsd: Any, fn_blocks: Any) -> None:
+    def _select_rows(self, rows: Any) -> None:
+        """Keep batch rows ``rows`` (indices, repeats allowed, or a boolean mask) of every
+        window and block: codes and metadata move together, nothing is re-quantized."""
         if not self.is_initialized:
             return
+        rows = torch.as_tensor(rows, device=self.sink_keys.device)
+        if rows.dtype == torch.bool:
+            rows = rows.nonzero().flatten()
+        rows = rows.long()
         for name in ("sink_keys", "sink_values", "residual_keys", "residual_values"):
-            setattr(self, name, fn_bhsd(getattr(self, name)).contiguous())
+            setattr(self, name, getattr(self, name).index_select(0, rows).contiguous())
         if self.key_blocks is not None:
-            self.key_blocks = _select_batch(self.key_blocks, fn_blocks)
-            self.value_blocks = _select_batch(self.value_blocks, fn_blocks)
+            self.key_blocks = self.key_blocks.index_select(1, rows)
+            self.value_blocks = self.value_blocks.index_select(1, rows)
         self.batch_size = self.sink_keys.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch (beam search): codes and metadata are permuted, not re-quantized."""
-        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
-        self._map_batch(lambda t: t.index_select(0, idx), lambda t: t.index_select(1, idx))
+        self._select_rows(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows ``indices``."""
-        self._map_batch(lambda t: t[indices], lambda t: t[:, indices])
+        self._select_rows(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times."""
-        self._map_batch(
-            lambda t: t.repeat_interleave(repeats, dim=0),
-            lambda t: t.repeat_interleave(repeats, dim=1),
-        )
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def offload(self) -> None:
         """Move the stored codes and windows to the CPU."""

@@ -250,6 +250,128 @@ class QuantizedTensor:
         out = vals.view(self.shape)
         return out if out.dtype == dtype else out.to(dtype)
 
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Reconstruct the tensor into ``out`` (shape :attr:`shape`, any strides, e.g. a
+        permuted view of a larger buffer), computing in ``out``'s dtype; returns ``out``.
+
+        Nothing of the size of the tensor is allocated besides the unpacked codes, which is
+        what a cache that dequantizes its past at every step wants (introduced in notebook 04).
+        """
+        if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+            raise TypeError("out must be a floating-point torch.Tensor")
+        if out.shape != self.shape:
+            raise ValueError(
+                f"out must have the tensor's shape {tuple(self.shape)} (got {tuple(out.shape)})"
+            )
+        grouped = self._grouped_shape()
+        codes = unpack(self.packed, self.bits, self.numel).view(grouped)
+        target = out.view(grouped)  # splits one axis: a view even of a non-contiguous `out`
+        scale = self.scale.to(device=out.device, dtype=out.dtype)
+        if self.symmetric:
+            q = _sym_qmax(self.bits)
+            target.copy_(codes)
+            target.sub_(q).div_(q).mul_(scale)
+        else:
+            torch.mul(codes, scale, out=target)
+            target.add_(self.offset.to(device=out.device, dtype=out.dtype))
+        return out
+
+    # -- whole rows: concatenated and selected without unpacking or re-quantizing
+    def with_rows(self, ndim: int) -> QuantizedTensor:
+        """The same tensor with ``packed`` laid out as ``shape[:ndim] + (bytes per row,)``.
+
+        Rows along the first ``ndim`` axes (which must come before the quantization ``axis``:
+        their elements never share a scale) can then be concatenated (:meth:`cat`) and
+        selected (:meth:`index_select`) byte for byte. Each row's codes must fill whole packing
+        words (8 codes for 3 bits, ``8 // bits`` otherwise).
+        """
+        if isinstance(ndim, bool) or not isinstance(ndim, int) or not 0 <= ndim <= self.axis:
+            raise ValueError(
+                f"ndim must be an int in 0..{self.axis} (the axes before the quantization axis; "
+                f"got {ndim!r})"
+            )
+        row = math.prod(self.shape[ndim:])
+        unit = 8 if self.bits == 3 else 8 // self.bits
+        if row % unit:
+            raise ValueError(
+                f"rows of {row} codes do not fill whole {self.bits}-bit packing words "
+                f"({unit} codes each)"
+            )
+        packed = self.packed.reshape(*self.shape[:ndim], packed_nbytes(row, self.bits))
+        return replace(self, packed=packed)
+
+    def _check_row_dim(self, dim: int) -> int:
+        rows = self.packed.dim() - 1
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < rows:
+            raise ValueError(
+                f"dim must be one of the row axes 0..{rows - 1} laid out by with_rows() "
+                f"(got {dim!r})"
+            )
+        return dim
+
+    def cat(self, other: QuantizedTensor, dim: int = 0) -> QuantizedTensor:
+        """Concatenate ``other`` after this tensor along row axis ``dim`` (see :meth:`with_rows`).
+
+        Codes are copied, never re-quantized, so the result equals quantizing the concatenated
+        tensor. Scales are promoted to the wider of the two dtypes.
+        """
+        if not isinstance(other, QuantizedTensor):
+            raise TypeError(f"other must be a QuantizedTensor (got {type(other).__name__})")
+        dim = self._check_row_dim(dim)
+        for name in ("bits", "axis", "group_size", "symmetric", "dtype"):
+            if getattr(self, name) != getattr(other, name):
+                raise ValueError(
+                    f"cannot concatenate tensors with different {name} "
+                    f"({getattr(self, name)!r} vs {getattr(other, name)!r})"
+                )
+        if other.packed.dim() != self.packed.dim():
+            raise ValueError("both tensors must lay out the same row axes (with_rows)")
+        same = [i for i in range(len(self.shape)) if i != dim]
+        if len(other.shape) != len(self.shape) or any(
+            self.shape[i] != other.shape[i] for i in same
+        ):
+            raise ValueError(
+                f"shapes {tuple(self.shape)} and {tuple(other.shape)} differ outside dim {dim}"
+            )
+        scale_dtype = torch.promote_types(self.scale.dtype, other.scale.dtype)
+
+        def both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None else torch.cat([a.to(scale_dtype), b.to(scale_dtype)], dim)
+
+        shape = list(self.shape)
+        shape[dim] += other.shape[dim]
+        return replace(
+            self,
+            packed=torch.cat([self.packed, other.packed], dim),
+            scale=both(self.scale, other.scale),
+            offset=both(self.offset, other.offset),
+            shape=torch.Size(shape),
+        )
+
+    def index_select(self, dim: int, index: torch.Tensor) -> QuantizedTensor:
+        """Keep (or repeat, or reorder) the rows ``index`` of row axis ``dim``: codes and
+        metadata move together, nothing is re-quantized (beam search, batch selection)."""
+        dim = self._check_row_dim(dim)
+        index = torch.as_tensor(index, device=self.packed.device)
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        if index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
+            raise ValueError("index must be a 1-D tensor of row indices (or a boolean mask)")
+        index = index.long()
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(dim, index.to(t.device))
+
+        shape = list(self.shape)
+        shape[dim] = index.numel()
+        return replace(
+            self,
+            packed=pick(self.packed).contiguous(),
+            scale=pick(self.scale),
+            offset=pick(self.offset),
+            shape=torch.Size(shape),
+        )
+
     def _grouped_shape(self) -> tuple[int, ...]:
         s = tuple(self.shape)
         a = self.axis

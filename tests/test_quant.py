@@ -464,3 +464,80 @@ def test_recipe_labels():
     assert KVRecipe(4, -2, -1, key_group_size=32, residual=128).label == "K/ch V/tok 4b r128"
     assert KVRecipe(2, -1, -1, rotate=True, sinks=4).label == "K/tok V/tok 2b H s4"
     assert KVRecipe(4, name="KIVI").label == "KIVI"
+
+
+# --- whole-row block operations (what kvlib.cache builds its blocks with) ---------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.sampled_from(BITS),
+    symmetric=st.booleans(),
+    n1=st.integers(1, 3),
+    n2=st.integers(1, 3),
+    rows=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_cat_equals_quantizing_the_concatenation(bits, symmetric, n1, n2, rows, seed):
+    """Rows never share a scale, so concatenating quantized rows is exact."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n1, rows, 16, 8, generator=g)
+    b = torch.randn(n2, rows, 16, 8, generator=g) * 3
+    qa = quantize(a, bits, axis=2, group_size=8, symmetric=symmetric).with_rows(2)
+    qb = quantize(b, bits, axis=2, group_size=8, symmetric=symmetric).with_rows(2)
+    whole = quantize(torch.cat([a, b]), bits, axis=2, group_size=8, symmetric=symmetric)
+    joined = qa.cat(qb, dim=0)
+    assert joined.shape == whole.shape and joined.nbytes == qa.nbytes + qb.nbytes
+    assert torch.equal(joined.codes(), whole.codes())
+    assert torch.equal(joined.dequantize(), whole.dequantize())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.sampled_from(BITS),
+    symmetric=st.booleans(),
+    index=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_index_select_moves_codes_and_metadata_together(bits, symmetric, index, seed):
+    x = torch.randn(2, 4, 32, 8, generator=torch.Generator().manual_seed(seed))
+    q = quantize(x, bits, axis=3, group_size=4, symmetric=symmetric).with_rows(2)
+    idx = torch.tensor(index)
+    picked = q.index_select(1, idx)
+    assert picked.shape == (2, len(index), 32, 8)
+    assert torch.equal(picked.dequantize(), q.dequantize().index_select(1, idx))
+    mask = torch.tensor([True, False, True, True])
+    assert torch.equal(q.index_select(1, mask).dequantize(), q.dequantize()[:, mask])
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_dequantize_into_a_strided_view(bits, symmetric):
+    x = torch.randn(3, 2, 16, 8, generator=torch.Generator().manual_seed(bits))
+    q = quantize(x, bits, axis=2, group_size=8, symmetric=symmetric)
+    buffer = torch.zeros(2, 8, 3, 16)  # the view below is (3, 2, 16, 8) and not contiguous
+    view = buffer.permute(2, 0, 3, 1)
+    assert q.dequantize_into(view) is view
+    assert torch.equal(view, q.dequantize())
+
+
+def test_block_operations_reject_bad_input():
+    x = torch.randn(2, 3, 16, 8)
+    q = quantize(x, 4, axis=2, group_size=8)
+    with pytest.raises(ValueError, match="ndim must be an int in 0..2"):
+        q.with_rows(3)
+    with pytest.raises(ValueError, match="packing words"):
+        quantize(torch.randn(2, 3, 3), 3, axis=2, group_size=3).with_rows(2)
+    rows = q.with_rows(2)
+    with pytest.raises(ValueError, match="row axes"):
+        rows.cat(rows, dim=2)
+    with pytest.raises(ValueError, match="different bits"):
+        rows.cat(quantize(x, 8, axis=2, group_size=8).with_rows(2))
+    with pytest.raises(ValueError, match="differ outside dim"):
+        rows.cat(quantize(torch.randn(2, 4, 16, 8), 4, axis=2, group_size=8).with_rows(2))
+    with pytest.raises(TypeError):
+        rows.cat(x)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="shape"):
+        q.dequantize_into(torch.empty(2, 3, 16, 4))
+    with pytest.raises(TypeError):
+        q.dequantize_into(torch.empty(2, 3, 16, 8, dtype=torch.int32))
