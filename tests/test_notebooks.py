@@ -147,3 +147,25 @@ def test_nbval_runs_headless() -> None:
     conftest = (ROOT / "notebooks" / "conftest.py").read_text()
     assert 'os.environ["KVLIB_HEADLESS"] = "1"' in conftest
     assert _nb_script().HEADLESS_ENV["KVLIB_HEADLESS"] == "1"
+
+
+def test_a_cell_past_the_timeout_fails_loudly_and_is_named(tmp_path: Path) -> None:
+    """A stall must not hide behind a long timeout: the run fails and says which cell."""
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# a stall"),
+            nbformat.v4.new_code_cell("x = 1"),
+            nbformat.v4.new_code_cell("import time\ntime.sleep(30)"),
+        ]
+    )
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    path = tmp_path / "00_stall.ipynb"
+    nbformat.write(nb, path)
+    ok, seconds, message = _nb_script().execute_notebook(path, tmp_path / "out.ipynb", timeout=3)
+    assert not ok and seconds < 25
+    assert message.startswith("cell 2 ('import time')"), message
+    assert "timed out" in message.lower() or "timeout" in message.lower(), message
