@@ -75,17 +75,28 @@ def test_every_exempted_cell_asserts_what_it_shows(path: Path) -> None:
     )
 
 
-def test_audit_finds_an_ignored_cell_without_assert(tmp_path: Path) -> None:
-    nb = nbformat.v4.new_notebook(
-        cells=[
-            nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT\nprint(1)"),
-            nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT\nx = 1\nassert x == 1"),
-            nbformat.v4.new_code_cell("%pip install x\n# NBVAL_SKIP\nassert True"),
-            nbformat.v4.new_code_cell("print(2)  # mentions assert but has none"),
-        ]
-    )
-    path = tmp_path / "00_x.ipynb"
+def _write_notebook(path: Path, cells: list[nbformat.NotebookNode]) -> Path:
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(nb, path)
+    return path
+
+
+def test_audit_finds_an_ignored_cell_without_assert(tmp_path: Path) -> None:
+    code = nbformat.v4.new_code_cell
+    path = _write_notebook(
+        tmp_path / "00_x.ipynb",
+        [
+            code("# NBVAL_IGNORE_OUTPUT\nprint(1)"),
+            code("# NBVAL_IGNORE_OUTPUT\nx = 1\nassert x == 1"),
+            code("%pip install x\n# NBVAL_SKIP\nassert True"),
+            code("print(2)  # mentions assert but has none"),
+        ],
+    )
     report = _nb_script().audit([path])[path.name]
     assert report == {"compared": 1, "ignored": 2, "skipped": 1, "unchecked": [0]}
 
@@ -151,20 +162,14 @@ def test_nbval_runs_headless() -> None:
 
 def test_a_cell_past_the_timeout_fails_loudly_and_is_named(tmp_path: Path) -> None:
     """A stall must not hide behind a long timeout: the run fails and says which cell."""
-    nb = nbformat.v4.new_notebook(
-        cells=[
+    path = _write_notebook(
+        tmp_path / "00_stall.ipynb",
+        [
             nbformat.v4.new_markdown_cell("# a stall"),
             nbformat.v4.new_code_cell("x = 1"),
             nbformat.v4.new_code_cell("import time\ntime.sleep(30)"),
-        ]
+        ],
     )
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    path = tmp_path / "00_stall.ipynb"
-    nbformat.write(nb, path)
     ok, seconds, message = _nb_script().execute_notebook(path, tmp_path / "out.ipynb", timeout=3)
     assert not ok and seconds < 25
     assert message.startswith("cell 2 ('import time')"), message
