@@ -5,95 +5,97 @@ cached, quantized past), % delta vs the fp32 DynamicCache, cache bytes vs fp16 (
 the text, and at 4096 tokens by feeding 4096 random states through every layer: bytes depend
 only on shapes), wall time; then decode speed (kvlib int4 vs DynamicCache vs quanto int4).
 Prints Markdown tables with PASS/FAIL for the issue's targets and writes
-``kvlib/measurements.json`` (read by ``kvlib.plan``).
+run ``"cache"`` of ``kvlib/results.json`` (:mod:`kvlib.results`; read by the planner and notebooks
+04 and 08), rows keyed by :mod:`kvlib.cache_registry` names.
 
     .venv/bin/python benchmarks/bench_cache.py           # 2048 tokens, decode 1024 + 128
     .venv/bin/python benchmarks/bench_cache.py --quick   # 1024 tokens, decode 1024 + 64
+
+The full run takes ~25 minutes on a 2-core CPU: tqdm progress bars on stderr follow the
+perplexity, decode and segment loops (off when stderr is not a terminal; the one-line results
+each loop prints still appear).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import platform
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 import transformers
+from tqdm import tqdm
 
 import kvlib
-from kvlib import compat
-from kvlib import eval as kv_eval
+from kvlib import cache_registry, compat, quality, results
 from kvlib.cache import QuantizedKVCache
+from kvlib.memory import kv_cache_bytes
+from kvlib.specs import kv_geometry, spec_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_PPL = {8: 0.05, 4: 0.1, 3: 0.5, 2: 10.0}
 TARGET_BYTES = {8: 1.8, 4: 3.0, 2: 4.5}
 
 
-def factories(config):
-    """name -> (description, cache factory)."""
-    f = {"fp16-dynamic": ("DynamicCache (fp32 model)", lambda: compat.dynamic_cache(config))}
-    for b in (4, 2):
-        f[f"quanto-int{b}"] = (
-            f"HF QuantizedCache quanto int{b}, axes 0/0, group 64, residual 128",
-            lambda b=b: compat.hf_quantized_cache(config, "quanto", b),
+#: The caches compared, by their kvlib.cache_registry names (the reference DynamicCache is added
+#: first, named for the model's dtype). For each width, kvlib's defaults, the variant with the
+#: rotation switched the other way, and the KIVI block layout.
+BENCH_CACHES = (
+    "quanto-int4",
+    "quanto-int2",
+    *(f"hqq-int{b}{axis}" for b in (8, 4, 3, 2) for axis in ("", "-axis1")),
+    "hf-fp8",
+    "kvlib-int8",
+    "kvlib-int8-rot",
+    "kvlib-int4",
+    "kvlib-int4-rot",
+    "kvlib-int4-block",
+    "kvlib-int3",
+    "kvlib-int3-norot",
+    "kvlib-int3-block",
+    "kvlib-int2",
+    "kvlib-int2-norot",
+    "kvlib-int2-block",
+)
+
+
+def factories(model):
+    """name -> (description, cache factory), the reference first, all from the registry."""
+    names = (cache_registry.reference_name(model.dtype), *BENCH_CACHES)
+    return {
+        name: (
+            cache_registry.cache_info(name).description,
+            cache_registry.cache_factory(name, model.config),
         )
-    for b in (8, 4, 3, 2):
-        f[f"hqq-int{b}"] = (
-            f"HF QuantizedCache HQQ int{b}, default axes 0/0, group 64",
-            lambda b=b: compat.hf_quantized_cache(config, "hqq", b),
-        )
-        f[f"hqq-int{b}-axis1"] = (
-            f"HF QuantizedCache HQQ int{b}, axes 1/1 (HQQ's recommended axis), group 64",
-            lambda b=b: compat.hf_quantized_cache(config, "hqq", b, axis_key=1, axis_value=1),
-        )
-    f["hf-fp8"] = (
-        "HF QuantizedCache fp8 (float8_e4m3fn, one scale per tensor)",
-        lambda: compat.hf_quantized_cache(config, "fp8"),
-    )
-    for b in (8, 4, 3, 2):
-        c = QuantizedKVCache(config, b)
-        f[f"kvlib-int{b}"] = (
-            f"kvlib int{b} defaults: key groups {c.key_group_size} tokens, value groups "
-            f"{c.group_size}, residual 128, 4 sinks, rotate={c.rotate}",
-            lambda b=b: QuantizedKVCache(config, b),
-        )
-        other = not c.rotate
-        f[f"kvlib-int{b}-" + ("rot" if other else "norot")] = (
-            f"kvlib int{b} defaults with rotate={other}",
-            lambda b=b, other=other: QuantizedKVCache(config, b, rotate=other),
-        )
-        if b < 8:
-            f[f"kvlib-int{b}-block"] = (
-                f"kvlib int{b}, one key group per 128-token block, value groups 32, "
-                "no rotation (the KIVI layout; kvlib's defaults before key groups)",
-                lambda b=b: QuantizedKVCache(
-                    config, b, key_group_size=128, group_size=32, rotate=False
-                ),
-            )
-    return f
+        for name in names
+    }
 
 
 def bytes_at(factory, config, tokens: int, chunk: int = 64) -> tuple[int, int]:
     """(bytes held, fp16 bytes) after feeding ``tokens`` random states to every layer."""
     cache = factory()
-    heads = config.num_key_value_heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers, _, heads, d = kv_geometry(config)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, heads, tokens, d, generator=g)
     v = torch.randn(1, heads, tokens, d, generator=g)
     with torch.inference_mode():
         for start in range(0, tokens, chunk):
-            for i in range(config.num_hidden_layers):
+            for i in range(layers):
                 cache.update(k[:, :, start : start + chunk], v[:, :, start : start + chunk], i)
-    fp16 = 2 * config.num_hidden_layers * heads * tokens * d * 2
+    fp16 = kv_cache_bytes(spec_from_config(config), tokens, bits=16)
     return compat.cache_nbytes(cache), fp16
+
+
+def log(line: str) -> None:
+    """Print a progress line to stdout at once, above the progress bars (which are on stderr)."""
+    tqdm.write(line)
+    sys.stdout.flush()
 
 
 def _num(x: float, digits: int) -> float | None:
@@ -117,7 +119,7 @@ def main() -> None:
         help="also evaluate fp16 and every kvlib row on this many consecutive segments of "
         "--tokens tokens (the first is the protocol's); 1: only the protocol segment",
     )
-    ap.add_argument("--no-json", action="store_true", help="do not write kvlib/measurements.json")
+    ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tokens = args.tokens or (1024 if args.quick else 2048)
@@ -135,22 +137,24 @@ def main() -> None:
     if all_ids.shape[1] < tokens * args.segments:
         raise SystemExit(f"the evaluation text holds only {all_ids.shape[1]} tokens")
     ids = all_ids[:, :tokens]
-    facs = factories(config)
+    facs = factories(model)
+    reference = cache_registry.reference_name(model.dtype)
 
     # warm-up
-    kv_eval.perplexity(model, ids[:, :96], cache=QuantizedKVCache(config, 4), chunk_size=chunk)
+    quality.perplexity(model, ids[:, :96], cache=QuantizedKVCache(config, 4), chunk_size=chunk)
 
     rows = {}
-    for name, (desc, fac) in facs.items():
+    for name, (desc, fac) in tqdm(
+        list(facs.items()), desc="perplexity", unit="cache", file=sys.stderr, disable=None
+    ):
         if name in args.skip:
             continue
         cache = fac()
         t0 = time.perf_counter()
-        ppl = kv_eval.perplexity(model, ids, cache=cache, chunk_size=chunk)
+        ppl = quality.perplexity(model, ids, cache=cache, chunk_size=chunk)
         wall = time.perf_counter() - t0
         held = compat.cache_nbytes(cache)
-        fp16 = 2 * config.num_hidden_layers * config.num_key_value_heads * cache.get_seq_length()
-        fp16 *= config.hidden_size // config.num_attention_heads * 2
+        fp16 = kv_cache_bytes(spec_from_config(config), cache.get_seq_length(), bits=16)
         if name.startswith("hqq") and not args.hqq_4096:
             # HQQ re-quantizes (with its optimizer) the whole cache at every flush: feeding
             # 4096 tokens takes many minutes on this CPU, so it is skipped unless asked for
@@ -167,16 +171,17 @@ def main() -> None:
             ratio_4096=fp16_4096 / b4096,
             bytes_per_token_4096=b4096 / 4096,
         )
-        print(f"{name}: ppl {ppl:.4f} ({wall:.1f} s)", flush=True)
-    ref = rows["fp16-dynamic"]["perplexity"]
+        log(f"{name}: ppl {ppl:.4f} ({wall:.1f} s)")
+    ref = rows[reference]["perplexity"]
     for r in rows.values():
         r["delta_pct"] = 100 * (r["perplexity"] / ref - 1)
 
     # decode speed, same run
     speed = {}
     prompt = tok(kvlib.data.load_eval_text()[:20000], return_tensors="pt").input_ids[:, :1024]
-    for name in ("fp16-dynamic", "kvlib-int4", "quanto-int4", "kvlib-int4-rot", "kvlib-int2"):
-        res = kv_eval.generation_benchmark(
+    decode_names = (reference, "kvlib-int4", "quanto-int4", "kvlib-int4-rot", "kvlib-int2")
+    for name in tqdm(decode_names, desc="decode", unit="cache", file=sys.stderr, disable=None):
+        res = quality.generation_benchmark(
             model,
             tok,
             facs[name][1],
@@ -187,20 +192,24 @@ def main() -> None:
             name=name,
         )
         speed[name] = res
-        print(f"{name}: {res.decode_tokens_per_s:.2f} tok/s", flush=True)
+        log(f"{name}: {res.decode_tokens_per_s:.2f} tok/s")
 
     # robustness: fp16 and every kvlib row on further segments of the same text
-    seg_names = ["fp16-dynamic"] + [n for n in rows if n.startswith("kvlib-")]
+    seg_names = [reference] + [n for n in rows if n.startswith("kvlib-")]
     segments = {n: [rows[n]["delta_pct"]] for n in seg_names}
-    for i in range(1, args.segments):
+    for i in tqdm(
+        range(1, args.segments), desc="segments", unit="segment", file=sys.stderr, disable=None
+    ):
         seg = all_ids[:, i * tokens : (i + 1) * tokens]
         ppl = {
-            n: kv_eval.perplexity(model, seg, cache=facs[n][1](), chunk_size=chunk)
-            for n in seg_names
+            n: quality.perplexity(model, seg, cache=facs[n][1](), chunk_size=chunk)
+            for n in tqdm(
+                seg_names, desc=f"segment {i + 1}", leave=False, file=sys.stderr, disable=None
+            )
         }
         for n in seg_names:
-            segments[n].append(100 * (ppl[n] / ppl["fp16-dynamic"] - 1))
-        print(f"segment {i + 1}: done", flush=True)
+            segments[n].append(100 * (ppl[n] / ppl[reference] - 1))
+        log(f"segment {i + 1}: done")
 
     machine = (
         f"{platform.processor() or platform.machine()}, 2-core CPU, no GPU, shared; torch "
@@ -208,7 +217,7 @@ def main() -> None:
         f"{args.threads} torch threads"
     )
     date = datetime.date.today().isoformat()
-    cmd = "python benchmarks/bench_cache.py " + " ".join(__import__("sys").argv[1:])
+    cmd = "python benchmarks/bench_cache.py " + " ".join(sys.argv[1:])
     print(f"\nCommand: `{cmd}`; {tokens} tokens, chunk {chunk}; {machine}; {date}\n")
     print(
         "| cache | perplexity | Δ vs fp32 % | bytes/token | × smaller than fp16 | "
@@ -248,7 +257,7 @@ def main() -> None:
                 f"| {n} | {cells} | {statistics.mean(d):+.3f} | {max(d):+.3f} | {target} "
                 f"| {verdict} |"
             )
-    base = speed["fp16-dynamic"]
+    base = speed[reference]
     print(f"\nDecode: {new_tokens} tokens after a 1024-token prompt, median of {repeats}\n")
     print("| cache | decode tok/s | slowdown vs Dynamic | TTFT s | target | PASS/FAIL |")
     print("|---|---:|---:|---:|---|---|")
@@ -261,30 +270,38 @@ def main() -> None:
             target, verdict = "≤ 1.5× Dynamic and ≥ quanto int4", "PASS" if ok else "FAIL"
         print(
             f"| {name} | {res.decode_tokens_per_s:.2f} | {slow:.2f} | "
-            f"{statistics.median([res.time_to_first_token_s]):.2f} | {target} | {verdict} |"
+            f"{res.time_to_first_token_s:.2f} | {target} | {verdict} |"
         )
 
     if not args.no_json:
-        out = {
+        run = {
             "source": "benchmarks/bench_cache.py",
             "command": cmd,
             "date": date,
             "machine": machine,
             "model": "SmolLM2-135M",
-            "tokens": tokens,
-            "chunk_size": chunk,
-            "caches": {
+            "settings": {
+                "tokens": tokens,
+                "chunk_size": chunk,
+                "segments": args.segments,
+                "decode_prompt_tokens": 1024,
+                "decode_new_tokens": new_tokens,
+                "model_dtype": str(model.dtype).removeprefix("torch."),
+            },
+            "rows": {
                 name: {
-                    "description": r["desc"],
                     "perplexity": round(r["perplexity"], 5),
                     "perplexity_delta_pct": round(r["delta_pct"], 4),
-                    "bytes_ratio_vs_fp16": _num(r["ratio_4096"], 4),
-                    "bytes_per_token": _num(r["bytes_per_token_4096"], 1),
-                    "bytes_ratio_vs_fp16_at_eval_tokens": round(r["ratio"], 4),
+                    "bytes_per_token": round(r["bytes_per_token"]),
+                    "x_smaller_than_fp16": round(r["ratio"], 2),
+                    "x_smaller_than_fp16_at_4096": _num(r["ratio_4096"], 2),
+                    "bytes_per_token_at_4096": _num(r["bytes_per_token_4096"], 1),
+                    "wall_s": round(r["wall_s"], 1),
                     **(
                         {
                             "perplexity_delta_pct_segments": [round(x, 4) for x in segments[name]],
                             "perplexity_delta_pct_mean": round(statistics.mean(segments[name]), 4),
+                            "perplexity_delta_pct_worst": round(max(segments[name]), 4),
                         }
                         if name in segments and args.segments > 1
                         else {}
@@ -295,12 +312,13 @@ def main() -> None:
             "decode": {
                 name: {
                     "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
-                    "slowdown_vs_dynamic": round(res.slowdown_vs(base), 3),
+                    "slowdown_vs_reference": round(res.slowdown_vs(base), 3),
+                    "time_to_first_token_s": round(res.time_to_first_token_s, 2),
                 }
                 for name, res in speed.items()
             },
         }
-        (ROOT / "kvlib" / "measurements.json").write_text(json.dumps(out, indent=2) + "\n")
+        log(f"wrote run 'cache' to {results.record_run('cache', run)}")
 
 
 if __name__ == "__main__":

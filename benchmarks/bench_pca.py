@@ -1,21 +1,23 @@
-"""PCA transform coding (kvlib.pca, KVTC-style) vs kvlib's integer caches: rate vs perplexity.
+"""PCA transform coding (kvlib.kvtc, KVTC-style) vs kvlib's integer caches: rate vs perplexity.
 
     .venv/bin/python benchmarks/bench_pca.py           # 1536-token prefix + 512 scored tokens
-    .venv/bin/python benchmarks/bench_pca.py --quick   # 768 + 256, fewer points, 1 repeat
+    .venv/bin/python benchmarks/bench_pca.py --quick   # 768 + 256, fewer points, short timings
 
 Protocol (issue 5): fit the bases on the first half of the evaluation corpus
 (``kvlib.data.split_text``), take a prefix from the second half, prefill it into a DynamicCache,
 ``encode`` it, ``decode`` it, then score the next tokens chunk by chunk (64 at a time) reading
-the decoded cache (``kvlib.pca.continuation_perplexity``), against the same continuation read
+the decoded cache (``kvlib.quality.continuation_perplexity``), against the same continuation read
 from the uncompressed cache. Compression = fp16 bytes of the prefix cache / real encoded bytes
 (header, fp16 sink + recent window, entropy-coded codes, checksum). Encode and decode times are
-medians after a warm-up.
+medians per call from ``torch.utils.benchmark``'s ``blocked_autorange`` (warm-up included, at
+least ``--min-run-time`` seconds measured each; ``benchmarks/_timing.py``). A tqdm progress bar
+on stderr counts bases, PCA points and integer rows (off when stderr is not a terminal).
 
 Integer rows: ``kvlib.cache.QuantizedKVCache(config, bits=b)`` (KIVI layout, 4 sinks, 128-token
 fp16 window) — the prefix is prefilled into it and the continuation is fed into the same cache,
 so the continuation is quantized as it goes; bytes are ``nbytes()`` vs ``fp16_nbytes()`` after
 the prefix. "prefix-only" rows store just the prefix with the same layout
-(``kvlib.quant.quantize_kv``) and continue in full precision — exactly the PCA protocol.
+(``kvlib.recipes.quantize_kv``) and continue in full precision — exactly the PCA protocol.
 
 Bases are cached in ``kvlib.models.cache_dir() / "pca"`` (keyed by their settings) so reruns
 skip calibration; ``--refit`` fits them again and reports the fit time.
@@ -24,18 +26,20 @@ skip calibration; ``--refit`` fits them again and reports the fit time.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
-import statistics
+import sys
 import time
 
 import torch
 import transformers
-from transformers import DynamicCache
+from _timing import median_seconds
+from tqdm import tqdm
 
 import kvlib
-from kvlib import pca
+from kvlib import compat, kvtc, pca, quality, results
 from kvlib.models import cache_dir, load_model
-from kvlib.quant import KVRecipe, quantize_kv
+from kvlib.recipes import KVRecipe, quantize_kv
 
 TARGET_RATIO, TARGET_DELTA = 8.0, 5.0
 
@@ -52,26 +56,22 @@ def basis_for(model, tokenizer, calib: str, cross: bool, tokens: int, refit: boo
     return basis, fit
 
 
-def median_s(fn, repeats: int):
-    out = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter texts, fewer points")
     ap.add_argument("--refit", action="store_true", help="fit the bases even if cached")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
+    ap.add_argument(
+        "--min-run-time",
+        type=float,
+        default=None,
+        help="seconds measured per encode / decode timing, after warm-up (default 1, quick 0.2)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     kvlib.seed_everything(0)
     prefix_len, next_len = (768, 256) if args.quick else (1536, 512)
-    repeats = args.repeats or (1 if args.quick else 3)
+    min_run_time = args.min_run_time or (0.2 if args.quick else 1.0)
     targets_cross = [16, 32, 64] if args.quick else [12, 16, 24, 32, 48, 64]
     targets_per = [16, 32] if args.quick else [8, 16, 32]
     calib_tokens = 8192
@@ -83,47 +83,55 @@ def main() -> None:
     assert evaluation[:20_000] not in calib  # disjoint calibration / evaluation text
     prefix, nxt = ids[:, :prefix_len], ids[:, prefix_len:]
 
+    steps = 2 + len(targets_cross) + len(targets_per) + 4  # bases, PCA points, int widths
+    bar = tqdm(total=steps, desc="bench_pca", unit="step", file=sys.stderr, disable=None)
     bases = {}
     for cross in (True, False):
         basis, fit = basis_for(model, tokenizer, calib, cross, calib_tokens, args.refit)
         bases[cross] = basis
         name = "cross-layer" if cross else "per-layer"
         fit_s = f"fit {fit[0]:.1f} s wall / {fit[1]:.1f} s CPU" if fit else "loaded from cache"
-        print(
+        tqdm.write(
             f"{name} basis: {sum(v.numel() for v in basis.variances)} components, "
             f"{basis.nbytes() / 1e6:.1f} MB (stored once per model, not per conversation), "
             f"{basis.calib_tokens} fit + {basis.meta.get('heldout_tokens')} held-out calibration "
             f"tokens; {fit_s}"
         )
+        bar.update()
 
-    cache = pca.prefill_cache(model, prefix, chunk_size=256)
-    fp16 = 2 * sum(k.numel() + v.numel() for k, v in pca.cache_tensors(cache))
-    ref = pca.continuation_perplexity(model, pca.clone_cache(cache), nxt)
+    cache = compat.prefill_cache(model, prefix, chunk_size=256)
+    fp16 = 2 * sum(k.numel() + v.numel() for k, v in compat.cache_tensors(cache))
+    ref = quality.continuation_perplexity(model, compat.clone_cache(cache), nxt)
     rows = [("fp16 (uncompressed)", 1.0, ref, float("nan"), float("nan"), "", "")]
 
     for cross, targets in ((True, targets_cross), (False, targets_per)):
         for target in targets:
-            codec = pca.KVTCCodec(bases[cross], compression=float(target))
-            enc_s, data = median_s(lambda codec=codec: codec.encode(cache), repeats)
-            dec_s, out = median_s(lambda codec=codec, data=data: codec.decode(data), repeats)
+            codec = kvtc.KVTCCodec(bases[cross], compression=float(target))
+            enc_s, data = median_seconds(
+                lambda codec=codec: codec.encode(cache), min_run_time=min_run_time
+            )
+            dec_s, out = median_seconds(
+                lambda codec=codec, data=data: codec.decode(data), min_run_time=min_run_time
+            )
             measured = 0.0
             n = 0
             for (k, v), (k2, v2) in zip(
-                pca.cache_tensors(cache), pca.cache_tensors(out), strict=True
+                compat.cache_tensors(cache), compat.cache_tensors(out), strict=True
             ):
                 sl = slice(codec.sink_tokens, prefix_len - codec.recent_tokens)
                 measured += float(((k - k2)[:, :, sl] ** 2).sum() + ((v - v2)[:, :, sl] ** 2).sum())
                 n += 2 * k[:, :, sl].numel()
-            ppl = pca.continuation_perplexity(model, out, nxt)
+            ppl = quality.continuation_perplexity(model, out, nxt)
             name = f"PCA {'cross-layer' if cross else 'per-layer'}, target {target}x"
             mse = f"{codec.predicted_mse():.4f} / {measured / n:.4f}"
             rows.append((name, fp16 / len(data), ppl, enc_s, dec_s, mse, ""))
+            bar.update()
 
     for bits in (8, 4, 3, 2):
         qc = kvlib.cache.QuantizedKVCache(model.config, bits=bits)
         kvlib.compat.forward(model, prefix, qc)
         ratio = qc.fp16_nbytes() / qc.nbytes()
-        ppl = pca.continuation_perplexity(model, qc, nxt)
+        ppl = quality.continuation_perplexity(model, qc, nxt)
         rows.append(
             (f"kvlib int{bits} QuantizedKVCache", ratio, ppl, float("nan"), float("nan"), "", "")
         )
@@ -137,14 +145,16 @@ def main() -> None:
             sinks=4,
         )
         layers, nbytes = [], 0
-        for k, v in pca.cache_tensors(cache):
+        for k, v in compat.cache_tensors(cache):
             q = quantize_kv(k, v, recipe)
             layers.append((q.keys, q.values))
             nbytes += q.nbytes
-        ppl = pca.continuation_perplexity(model, DynamicCache(ddp_cache_data=layers), nxt)
+        ppl = quality.continuation_perplexity(model, compat.dynamic_cache_from(layers), nxt)
         rows.append(
             (f"kvlib int{bits} prefix-only", fp16 / nbytes, ppl, float("nan"), float("nan"), "", "")
         )
+        bar.update()
+    bar.close()
 
     print(
         f"\nprefix {prefix_len} tokens ({fp16 / 1e6:.2f} MB fp16), {next_len} scored tokens, "
@@ -184,6 +194,45 @@ def main() -> None:
                 else "NOT MET"
             )
         )
+
+    if not args.no_json:
+        entry = {
+            "source": "benchmarks/bench_pca.py",
+            "command": "python benchmarks/bench_pca.py " + " ".join(sys.argv[1:]),
+            "machine": (
+                f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                f"1 torch thread; torch {torch.__version__}, transformers "
+                f"{transformers.__version__}"
+            ),
+            "model": "SmolLM2-135M",
+            "settings": {
+                "prefix_tokens": prefix_len,
+                "scored_tokens": next_len,
+                "calibration_tokens": calib_tokens,
+                "reference_perplexity": round(ref, 3),
+                "prefix_fp16_mb": round(fp16 / 1e6, 2),
+            },
+            "rows": {
+                name: _row(ratio, ppl, ref, enc, dec, mse)
+                for name, ratio, ppl, enc, dec, mse, _ in rows
+            },
+        }
+        tqdm.write(f"wrote run 'pca' to {results.record_run('pca', entry)}")
+
+
+def _row(ratio: float, ppl: float, ref: float, enc: float, dec: float, mse: str) -> dict:
+    """One row of the results file, at the precision the table prints."""
+    row = {
+        "x_smaller_than_fp16": round(ratio, 2),
+        "perplexity": round(ppl, 3),
+        "perplexity_delta_pct": round(100 * (ppl / ref - 1), 2),
+    }
+    if enc == enc:  # not NaN: a timed PCA point
+        row |= {"encode_s": round(enc, 2), "decode_s": round(dec, 2)}
+    if mse:
+        predicted, measured = (float(x) for x in mse.split(" / "))
+        row |= {"mse_predicted": predicted, "mse_measured": measured}
+    return row
 
 
 if __name__ == "__main__":

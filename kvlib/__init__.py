@@ -1,28 +1,48 @@
 """kvlib — the library behind the KV Cache Lab notebooks.
 
-One concept per module, imported lazily so that ``import kvlib`` stays cheap:
+One concept per module, imported lazily so that ``import kvlib`` stays cheap. Layers (checked by
+import-linter): foundations, then techniques, then the registry and results, then tools.
 
-=============  ==========================================================  ========
-module         what it holds                                               notebook
-=============  ==========================================================  ========
-``memory``     model specs, KV-cache byte math, what fits in a GPU         01
-``quant``      int8/4/3/2 quantization with real bit-packing              02, 03
-``capture``    capturing a real model's Q/K/V, attention-output error      02, 03
-``cache``      a quantized KV cache that plugs into transformers           04
-``eval``       perplexity with the cache really read, generation speed     04
-``compat``     one adapter over transformers' cache keyword churn          04
-``pca``        PCA transform coding of the cache (KVTC-style)             05
-``bitalloc``   bit allocation per PCA component under a budget             05
-``paged``      block allocator, paged attention, paged transformers cache  06
-``serving``    trace-driven serving simulation (waste, concurrency)        06
-``harness``    the full-model run: memory, speed, quality, what fits       07
-``plan``       scenario-based recommendations and engine flags             08
-``plot``       the notebooks' shared plots; ``interactive()`` for widgets  all
-``cli``        the ``kvlib`` command line (memory, plan, models)           08
-``models``     loading the bundled offline model (or any hub model)        00
-``device``     device selection and seeding                                00
-``data``       offline evaluation text                                     00
-=============  ==========================================================  ========
+==================  ===========================================================  ==========
+module              what it holds                                                notebook
+==================  ===========================================================  ==========
+*foundations*
+``validate``        argument checks shared by every public function              all
+``device``          device selection, seeding, quiet transformers output         00
+``data``            offline evaluation text                                      00
+``models``          loading the bundled offline model (or any hub model)         00
+``specs``           model specs, the published models' registry, KV geometry     01
+``memory``          KV-cache byte math, what fits in a GPU (GiB)                 01
+``packing``         bit-packing integer codes into bytes                         03
+``quant``           int8/4/3/2 group quantization (``QuantizedTensor``)          02, 03
+``attention``       dense reference attention (causal, GQA, ragged lengths)      02, 06
+``compat``          one adapter over transformers' cache API                     04, 05
+``rope``            rotary position embeddings: apply, undo, read from a model   05
+``bitalloc``        bit allocation and uniform quantizers per component          05
+``blocks``          the block allocator behind paged caches                      06
+*techniques*
+``recipes``         KV quantization recipes (KIVI layout, rotation, windows)     02, 03
+``capture``         capturing a real model's Q/K/V, attention-output error       02, 03
+``cache``           a quantized KV cache that plugs into transformers            04
+``quality``         perplexity with the cache really read, generation speed      04, 05
+``pca``             PCA basis of the cache: calibration and fitting              05
+``kvtc``            KV-cache transform coding: the codec and its byte format     05
+``paged``           paged attention, the paged transformers cache                06
+``serving``         trace-driven serving simulation (waste, concurrency)         06
+*registry and results*
+``cache_registry``  one name and one factory per cache the project compares      04, 07, 08
+``results``         the measured results file (``kvlib/results.json``)           04, 08
+*tools*
+``model_choice``    which model to run on this device; random real architectures 07
+``compare``         caches side by side: memory, speed, quality, agreement       07
+``capacity``        what fits: predicted and searched max context and batch      07
+``plan_rule``       the planner's decision rule, in numbers                      08
+``plan_text``       the planner's reasons, watch-outs and summary                08
+``plan_engines``    engine settings for transformers, vLLM and llama.cpp         08
+``plan``            ``recommend()``: a deployable plan for a scenario            08
+``plot``            the notebooks' shared plots; ``interactive()`` for widgets   all
+``cli``             the ``kvlib`` command line (memory, plan, models)            08
+==================  ===========================================================  ==========
 """
 
 from __future__ import annotations
@@ -35,23 +55,38 @@ from kvlib.device import get_device, seed_everything
 __version__ = "0.1.0"
 
 _SUBMODULES = (
+    "attention",
     "bitalloc",
+    "blocks",
     "cache",
+    "cache_registry",
+    "capacity",
     "capture",
     "cli",
+    "compare",
     "compat",
     "data",
     "device",
-    "eval",
-    "harness",
+    "kvtc",
     "memory",
+    "model_choice",
     "models",
+    "packing",
     "paged",
     "pca",
     "plan",
+    "plan_engines",
+    "plan_rule",
+    "plan_text",
     "plot",
+    "quality",
     "quant",
+    "recipes",
+    "results",
+    "rope",
     "serving",
+    "specs",
+    "validate",
 )
 
 __all__ = ["get_device", "seed_everything", "__version__", *_SUBMODULES]

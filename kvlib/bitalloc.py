@@ -15,19 +15,35 @@ minimise ``Σ_j D_j(b_j)`` subject to ``Σ_j b_j ≤ R``?
   (convex or not), ``O(n · R · B)`` time.
 * :func:`convexify` — turns a measured distortion curve into a convex, decreasing one (by
   capping each marginal gain at the previous one), so that the greedy method is exact for it.
+
+The scalar quantizer whose ``c(b)`` the allocation trades off lives here too:
+
+* :func:`uniform_quantize` / :func:`uniform_dequantize` — uniform midrise quantizer with ``2^b``
+  levels on ``[-clip_b, clip_b]``, for coefficients normalised by their component's std.
+* :func:`calibrate_uniform_quantizer` — the clip range per bit width that minimises the error on
+  sample coefficients, and the measured (convexified) ``c(b)`` that goes with it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvlib.validate import check_int
+
 __all__ = [
     "GAUSSIAN_UNIFORM_DISTORTION",
+    "MAX_BITS",
     "allocate_bits",
     "allocate_bits_dp",
     "allocation_distortion",
+    "calibrate_uniform_quantizer",
     "convexify",
+    "uniform_dequantize",
+    "uniform_quantize",
 ]
+
+#: The widest code of the per-component quantizer (codes are stored one per byte).
+MAX_BITS = 8
 
 # Normalised MSE of the optimal *uniform* quantizer with 2^b levels for a unit Gaussian
 # (Max 1960, Table 1 / Jayant & Noll), b = 0..8; b = 0 means "dropped".
@@ -57,12 +73,6 @@ def _check_variances(variances: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def _check_budget(budget_bits: int) -> int:
-    if isinstance(budget_bits, bool) or not isinstance(budget_bits, int) or budget_bits < 0:
-        raise ValueError(f"budget_bits must be a non-negative int (got {budget_bits!r})")
-    return budget_bits
-
-
 def convexify(distortion: torch.Tensor) -> torch.Tensor:
     """Make a distortion curve decreasing and convex in the number of bits.
 
@@ -87,7 +97,7 @@ def convexify(distortion: torch.Tensor) -> torch.Tensor:
 def allocate_bits(
     variances: torch.Tensor,
     budget_bits: int,
-    max_bits: int = 8,
+    max_bits: int = MAX_BITS,
     unit_distortion: torch.Tensor | tuple[float, ...] | None = None,
 ) -> torch.Tensor:
     """Greedy (marginal-gain) bit allocation; exact for a convex ``unit_distortion``.
@@ -106,8 +116,8 @@ def allocate_bits(
         reduce the distortion, so the budget may be left partly unused.
     """
     v = _check_variances(variances)
-    budget = _check_budget(budget_bits)
-    if isinstance(max_bits, bool) or not isinstance(max_bits, int) or not 1 <= max_bits <= 16:
+    budget = check_int(budget_bits, "budget_bits", minimum=0)
+    if check_int(max_bits, "max_bits", minimum=1) > 16:
         raise ValueError(f"max_bits must be an int in 1..16 (got {max_bits!r})")
     if unit_distortion is None:
         if max_bits > len(GAUSSIAN_UNIFORM_DISTORTION) - 1:
@@ -157,7 +167,7 @@ def allocate_bits_dp(distortion: torch.Tensor, budget_bits: int) -> torch.Tensor
     d = distortion.detach().to(torch.float64).cpu()
     if not torch.isfinite(d).all():
         raise ValueError("distortion must be finite")
-    budget = min(_check_budget(budget_bits), d.shape[0] * (d.shape[1] - 1))
+    budget = min(check_int(budget_bits, "budget_bits", minimum=0), d.shape[0] * (d.shape[1] - 1))
     n, nb = d.shape
     inf = torch.tensor(float("inf"), dtype=torch.float64)
     best = torch.zeros(budget + 1, dtype=torch.float64)  # best[c]: min error using <= c bits
@@ -191,3 +201,64 @@ def allocation_distortion(
     if (b < 0).any() or (b >= c.numel()).any():
         raise ValueError(f"bits must be in 0..{c.numel() - 1}")
     return float((v.cpu() * c[b]).sum())
+
+
+def uniform_quantize(z: torch.Tensor, bits: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
+    """Uniform midrise quantizer on ``[-clip_b, clip_b]`` with ``2^b`` levels; ``z`` normalised by σ.
+
+    Args:
+        z: ``(n, r)`` coefficients, each divided by its component's std.
+        bits: ``(r,)`` int64 bits per component (1..:data:`MAX_BITS`).
+        clip: ``(r,)`` clipping range per component, in units of its std (broadcasts like
+            ``bits``; a ``(g, 1)`` column quantizes ``z`` ``(1, n)`` with ``g`` clips at once).
+
+    Returns:
+        ``(n, r)`` int64 codes in ``0 .. 2^b - 1``.
+    """
+    levels = (2**bits).to(z.dtype)
+    step = 2 * clip / levels
+    return torch.clamp(
+        torch.floor((z + clip) / step), min=torch.zeros_like(levels), max=levels - 1
+    ).long()
+
+
+def uniform_dequantize(codes: torch.Tensor, bits: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`uniform_quantize`: the midpoint of each code's cell.
+
+    ``codes`` ``(n, r)``; ``bits``/``clip`` ``(r,)``. Returns ``(n, r)`` in ``clip``'s dtype.
+    """
+    levels = (2**bits).to(clip.dtype)
+    step = 2 * clip / levels
+    return (codes.to(clip.dtype) + 0.5) * step - clip
+
+
+def calibrate_uniform_quantizer(
+    z: torch.Tensor, max_bits: int = MAX_BITS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip range (in σ) and normalised MSE ``c(b)`` of :func:`uniform_quantize`, b = 0..max_bits.
+
+    For every bit width the clip is chosen on a grid of 0.5σ..10σ to minimise the mean squared
+    error over the sample; ``c`` is normalised so that ``c(0) = 1`` exactly (a dropped
+    coefficient loses its whole variance) and made convex with :func:`convexify`.
+
+    Args:
+        z: ``(n,)`` sample of coefficients, each divided by its component's std.
+        max_bits: the widest bit width calibrated.
+
+    Returns:
+        ``(clip (max_bits + 1,) float32, c (max_bits + 1,) float64)``; ``clip[0]`` is 0.
+    """
+    max_bits = check_int(max_bits, "max_bits", minimum=1)
+    z = z.flatten().float()
+    grid = torch.linspace(0.5, 10.0, 96)
+    clip = torch.zeros(max_bits + 1)
+    dist = torch.zeros(max_bits + 1, dtype=torch.float64)
+    dist[0] = float((z.double() ** 2).mean())
+    for b in range(1, max_bits + 1):
+        bb = torch.full((1,), b, dtype=torch.int64)
+        a = grid[:, None]  # every clip candidate at once: (grid, n)
+        q = uniform_dequantize(uniform_quantize(z[None, :], bb, a), bb, a)
+        errs = ((q - z[None, :]) ** 2).double().mean(dim=1)
+        i = int(errs.argmin())
+        clip[b], dist[b] = grid[i], errs[i]
+    return clip, convexify(dist / dist[0])

@@ -3,7 +3,7 @@
 :class:`QuantizedKVCache` is a transformers ``Cache`` made of one :class:`QuantizedKVLayer`
 (a ``CacheLayerMixin``) per decoder layer, so ``kvlib.compat.generate(model, ids,
 cache=QuantizedKVCache(model.config))`` and a plain forward loop (``kvlib.compat.forward``,
-``kvlib.eval.perplexity``) both use it unchanged.
+``kvlib.quality.perplexity``) both use it unchanged.
 
 Layout of one layer, tensors in the transformers convention ``(batch, kv_heads, seq_len,
 head_dim)``, tokens in order::
@@ -70,7 +70,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib import compat
-from kvlib.quant import SUPPORTED_BITS, QuantizedTensor, hadamard, quantize
+from kvlib.quant import QuantizedTensor, hadamard, quantize
+from kvlib.specs import kv_geometry
+from kvlib.validate import check_bits, check_int
 
 __all__ = [
     "QuantizedKVCache",
@@ -83,25 +85,8 @@ __all__ = [
 _WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (got {value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum} (got {value})")
-    return value
-
-
-def _check_bits(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, one of 2, 3, 4, 8 (got {value!r})")
-    if value not in SUPPORTED_BITS:
-        raise ValueError(f"{name} must be one of 2, 3, 4, 8 (got {value})")
-    return value
-
-
 def _check_group_size(group_size: Any, head_dim: int) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be an int (got {group_size!r})")
+    group_size = check_int(group_size, "group_size")
     if group_size <= 0 or head_dim % group_size:
         divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
         raise ValueError(
@@ -191,17 +176,17 @@ class QuantizedKVLayer(CacheLayerMixin):
         key_group_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.key_bits = _check_bits(key_bits, "key_bits")
-        self.value_bits = _check_bits(value_bits, "value_bits")
+        self.key_bits = check_bits(key_bits, "key_bits")
+        self.value_bits = check_bits(value_bits, "value_bits")
         self.group_size_option = (
-            None if group_size is None else _check_int(group_size, "group_size", 1)
+            None if group_size is None else check_int(group_size, "group_size", minimum=1)
         )
         self.group_size = self.group_size_option  # resolved from head_dim on the first update
-        self.residual_length = _check_int(residual_length, "residual_length", 1)
+        self.residual_length = check_int(residual_length, "residual_length", minimum=1)
         self.key_group_size = _check_key_group_size(
             key_group_size, self.residual_length, self.key_bits
         )
-        self.sink_tokens = _check_int(sink_tokens, "sink_tokens", 0)
+        self.sink_tokens = check_int(sink_tokens, "sink_tokens", minimum=0)
         if window_dtype is not None and window_dtype not in _WINDOW_DTYPES:
             raise ValueError(
                 f"window_dtype must be None or one of float16, bfloat16, float32, float64 "
@@ -497,13 +482,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         return 2 * self.batch_size * self.num_heads * self.cumulative_length * self.head_dim * 2
 
 
-def _head_dim(config: Any) -> int:
-    hd = getattr(config, "head_dim", None)
-    if isinstance(hd, int) and hd > 0:
-        return hd
-    return config.hidden_size // config.num_attention_heads
-
-
 class QuantizedKVCache(Cache):
     """KIVI-style quantized KV cache for transformers models (see the module docstring).
 
@@ -548,16 +526,16 @@ class QuantizedKVCache(Cache):
             raise TypeError(
                 f"config must be a transformers PretrainedConfig (got {type(config).__name__})"
             )
-        _check_bits(bits, "bits")
-        key_bits = bits if key_bits is None else _check_bits(key_bits, "key_bits")
-        value_bits = bits if value_bits is None else _check_bits(value_bits, "value_bits")
+        check_bits(bits, "bits")
+        key_bits = bits if key_bits is None else check_bits(key_bits, "key_bits")
+        value_bits = bits if value_bits is None else check_bits(value_bits, "value_bits")
         text = config.get_text_config(decoder=True)
-        head_dim = _head_dim(text)
+        head_dim = kv_geometry(text).head_dim
         group_size = _check_group_size(
             default_group_size(head_dim) if group_size is None else group_size, head_dim
         )
-        _check_int(residual_length, "residual_length", 1)
-        _check_int(sink_tokens, "sink_tokens", 0)
+        check_int(residual_length, "residual_length", minimum=1)
+        check_int(sink_tokens, "sink_tokens", minimum=0)
         key_group_size = _check_key_group_size(key_group_size, residual_length, key_bits)
         if (residual_length * head_dim) % 8:
             raise ValueError(

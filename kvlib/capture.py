@@ -6,7 +6,8 @@ actually computes from it.
 Shapes follow transformers: queries ``(batch, heads, seq_len, head_dim)``, keys and values
 ``(batch, kv_heads, seq_len, head_dim)``; with grouped-query attention each KV head serves
 ``heads // kv_heads`` consecutive query heads. Keys and queries are captured *after* RoPE,
-exactly what the KV cache stores and what attention multiplies.
+exactly what the KV cache stores and what attention multiplies. Attention outputs are computed
+by the dense reference :func:`kvlib.attention.dense_attention` (causal).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.quant import KVRecipe, quantize_kv
+from kvlib.attention import dense_attention
+from kvlib.recipes import KVRecipe, quantize_kv
 
 __all__ = [
     "LayerQKV",
     "capture_qkv",
     "capture_kv",
-    "attention_output",
     "attention_output_error",
     "RecipeResult",
     "evaluate_recipes",
@@ -111,56 +112,22 @@ def capture_kv(
     return [(layer.k, layer.v) for layer in capture_qkv(model, input_ids)]
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 4:
-            raise ValueError(f"{name} must be a 4-d tensor (batch, heads, seq_len, head_dim)")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape (got {tuple(k.shape)} and {tuple(v.shape)})"
-        )
-    b, h, sq, d = q.shape
-    if (k.shape[0], k.shape[3]) != (b, d) or h % k.shape[1]:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match: batch and head_dim must agree "
-            "and query heads must be a multiple of kv heads"
-        )
-    if sq > k.shape[2]:
-        raise ValueError(f"more queries ({sq}) than keys ({k.shape[2]})")
-    return h // k.shape[1]
-
-
-def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal ``softmax(q kᵀ / √d) v`` with grouped-query head repetition, float32.
-
-    ``q`` ``(b, heads, s_q, d)`` are the LAST ``s_q`` positions of the ``s_k`` keys/values
-    ``(b, kv_heads, s_k, d)`` (``s_q == s_k`` for a prefill, ``s_q < s_k`` for decode-style
-    queries against a longer cache). Returns ``(b, heads, s_q, d)``.
-    """
-    rep = _check_qkv(q, k, v)
-    sq, sk = q.shape[2], k.shape[2]
-    k = k.float().repeat_interleave(rep, dim=1)
-    v = v.float().repeat_interleave(rep, dim=1)
-    pos_q = torch.arange(sk - sq, sk, device=q.device)[:, None]
-    mask = torch.arange(sk, device=q.device)[None, :] <= pos_q
-    return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask)
-
-
 def attention_output_error(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor
 ) -> float:
     """Relative error ``‖O(q, k̂, v̂) − O(q, k, v)‖ / ‖O(q, k, v)‖`` (Frobenius, all heads and positions).
 
-    ``O`` is :func:`attention_output`; ``k_hat``/``v_hat`` are the reconstructed keys/values, same
-    shape as ``k``/``v``.
+    ``O`` is the causal :func:`kvlib.attention.dense_attention` (``q`` ``(b, heads, s_q, d)``
+    the last ``s_q`` positions of ``k``/``v`` ``(b, kv_heads, s_k, d)``); ``k_hat``/``v_hat``
+    are the reconstructed keys/values, same shape as ``k``/``v``.
     """
     if k_hat.shape != k.shape or v_hat.shape != v.shape:
         raise ValueError(
             f"k_hat/v_hat must have the shapes of k/v (got {tuple(k_hat.shape)}, {tuple(v_hat.shape)} "
             f"for {tuple(k.shape)})"
         )
-    ref = attention_output(q, k, v)
-    approx = attention_output(q, k_hat, v_hat)
+    ref = dense_attention(q, k, v)
+    approx = dense_attention(q, k_hat, v_hat)
     denom = torch.linalg.vector_norm(ref)
     if denom == 0:
         return float(torch.linalg.vector_norm(approx - ref))
@@ -169,7 +136,7 @@ def attention_output_error(
 
 @dataclass(frozen=True)
 class RecipeResult:
-    """A :class:`kvlib.quant.KVRecipe` judged on captured layers.
+    """A :class:`kvlib.recipes.KVRecipe` judged on captured layers.
 
     ``error`` is the mean over layers of :func:`attention_output_error`; ``bits_per_element``
     counts every byte kept (packed codes, scales, zero points, float16 windows) over all layers'
@@ -194,7 +161,7 @@ def evaluate_recipes(
 
     Args:
         layers: from :func:`capture_qkv`; q ``(b, heads, s, d)``, k/v ``(b, kv_heads, s, d)``.
-        recipes: the :class:`~kvlib.quant.KVRecipe` s to compare.
+        recipes: the :class:`~kvlib.recipes.KVRecipe` s to compare.
         n_queries: use only the last ``n_queries`` queries (decode-style: the newest tokens
             reading the whole cache); ``None`` uses every position. Fewer queries is faster.
 
@@ -212,14 +179,14 @@ def evaluate_recipes(
         if not isinstance(r, KVRecipe):
             raise TypeError(f"recipes must be KVRecipe objects (got {type(r).__name__})")
     qs = [layer.q if n_queries is None else layer.q[:, :, -n_queries:] for layer in layers]
-    refs = [attention_output(q, layer.k, layer.v) for q, layer in zip(qs, layers, strict=True)]
+    refs = [dense_attention(q, layer.k, layer.v) for q, layer in zip(qs, layers, strict=True)]
     norms = [torch.linalg.vector_norm(ref) for ref in refs]
     results = []
     for recipe in recipes:
         errors, nbytes, numel = [], 0, 0
         for q, ref, norm, layer in zip(qs, refs, norms, layers, strict=True):
             qkv = quantize_kv(layer.k, layer.v, recipe)
-            diff = torch.linalg.vector_norm(attention_output(q, qkv.keys, qkv.values) - ref)
+            diff = torch.linalg.vector_norm(dense_attention(q, qkv.keys, qkv.values) - ref)
             errors.append(float(diff / norm) if norm > 0 else float(diff))
             nbytes += qkv.nbytes
             numel += qkv.numel

@@ -10,6 +10,10 @@
 Every subcommand has ``--help`` and ``--json``. Bad input exits non-zero with one line on stderr:
 2 for arguments argparse rejects (unknown option, malformed size), 1 for values the library
 rejects (unknown model — with close matches —, unsupported bits).
+
+Units: context lengths are token counts (:func:`parse_size`, ``32k`` = 32,768); memory is in GiB
+(:func:`parse_memory`, 2³⁰ bytes), the unit GPUs are labelled in and nvidia-smi, PyTorch and
+vLLM report, and every byte figure is printed in binary units (KiB, MiB, GiB).
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from kvlib import memory, plan
+from kvlib import memory, plan, specs
+from kvlib.memory import GIB
+from kvlib.plan_rule import DEVICES, QUALITIES, WEIGHT_BITS
+from kvlib.results import RESULTS_ENV
+from kvlib.validate import check_int, check_number
 
-__all__ = ["main", "parse_size", "build_parser"]
+__all__ = ["main", "parse_memory", "parse_size", "build_parser"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 _SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2}
@@ -34,7 +42,10 @@ def parse_size(text: str) -> int:
     """Token counts as people write them: ``4096``, ``32k`` (32,768), ``128K``, ``1m``, ``1.5k``.
 
     ``k`` and ``m`` are binary (1024, 1024²), as context lengths are (Llama-3.1's "128k" is
-    131,072). Raises ``ValueError`` for anything else, zero included.
+    131,072). Memory sizes are not token counts: they go through :func:`parse_memory`.
+
+    Raises:
+        ValueError: anything else (``"80GB"``, a fraction of a token), zero included.
     """
     m = _SIZE_RE.match(str(text).replace("_", "").replace(",", ""))
     if not m:
@@ -52,32 +63,59 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+_MEMORY_RE = re.compile(r"^\s*(\S+?)\s*(gib|gb|g)?\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str) -> float:
+    """GPU (or RAM) memory in GiB: ``"24"``, ``"80GB"``, ``"80 GiB"``, ``"13.5g"`` → 24.0, 80.0,
+    80.0, 13.5.
+
+    A bare number is GiB (2³⁰ bytes). A ``GB`` suffix is read as GiB too, as memory is labelled:
+    an "80 GB" H100 or A100 holds 80 GiB (81,920 MiB in nvidia-smi), a "16 GB" RAM module 16 GiB;
+    nvidia-smi, ``torch.cuda.mem_get_info`` and vLLM all count in binary units. 0 is accepted
+    (it gives an impossible plan).
+
+    Raises:
+        ValueError: not a number with an optional ``GiB``/``GB``/``G`` suffix, negative, or not
+            finite.
+    """
+    m = _MEMORY_RE.match(str(text).replace("_", ""))
+    try:
+        value = float(m.group(1)) if m else None
+    except ValueError:
+        value = None
+    if value is None:
+        raise ValueError(f"invalid memory {text!r}: use a number of GiB like 24, 80GB or 13.5GiB")
+    value = check_number(value, "memory")
+    if value < 0:
+        raise ValueError(f"memory must be >= 0 GiB (got {text!r})")
+    return value
+
+
+def _memory(text: str) -> float:
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
-    return value
-
-
-def _gb(text: str) -> float:
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of GB {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
-    return value
+        return check_int(value, "value", minimum=1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _gpu_key(name: str) -> str:
     return re.sub(r"[\s_\-]", "", name.lower())
 
 
-def gpu_memory_gb(name: str) -> float:
-    """Memory (GB as labelled) of a GPU in :data:`kvlib.memory.GPUS`: ``"h100"`` → 80."""
+def gpu_memory_gib(name: str) -> float:
+    """Memory in GiB of a GPU in :data:`kvlib.memory.GPUS`, by name: ``"h100"`` → 80.0."""
     table = {_gpu_key(k): v for k, v in memory.GPUS.items()}
     key = _gpu_key(name)
     if key not in table:  # "A100" alone: the first entry that starts with it
@@ -86,9 +124,9 @@ def gpu_memory_gb(name: str) -> float:
             key = starts[0]
         else:
             raise ValueError(
-                f"unknown GPU {name!r} (known: {', '.join(memory.GPUS)}); or pass --gpu-memory GB"
+                f"unknown GPU {name!r} (known: {', '.join(memory.GPUS)}); or pass --gpu-memory GIB"
             )
-    return table[key] / 10**9
+    return table[key] / GIB
 
 
 class _Parser(argparse.ArgumentParser):
@@ -128,23 +166,29 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="recommend a KV-cache setting and engine flags",
         description="Recommend the KV-cache setting for a model, memory, context and load, with "
-        "transformers / vLLM / llama.cpp settings (rules: kvlib.plan's docstring).",
+        "transformers / vLLM / llama.cpp settings (rules: kvlib.plan_rule's docstring). Memory "
+        "is in GiB, as GPUs are labelled: --gpu-memory 80 and 80GB both mean 80 GiB.",
     )
     pl.add_argument("--model", required=True, help="registry name (see `kvlib models`)")
     where = pl.add_mutually_exclusive_group(required=True)
-    where.add_argument("--gpu-memory", type=_gb, help="GB per GPU (or of RAM with --device cpu)")
+    where.add_argument(
+        "--gpu-memory",
+        type=_memory,
+        metavar="GIB",
+        help="GiB per GPU, or of RAM with --device cpu (24, 80GB and 80GiB are all GiB)",
+    )
     where.add_argument("--gpu", help=f"a GPU by name: {', '.join(memory.GPUS)}")
     pl.add_argument("--context", required=True, type=_size, help="tokens per sequence, e.g. 32k")
     pl.add_argument("--concurrency", type=_positive_int, default=1, help="sequences at once")
-    pl.add_argument("--quality", choices=plan.QUALITIES, default="balanced")
-    pl.add_argument("--weight-bits", type=int, choices=plan.WEIGHT_BITS, default=16)
+    pl.add_argument("--quality", choices=QUALITIES, default="balanced")
+    pl.add_argument("--weight-bits", type=int, choices=WEIGHT_BITS, default=16)
     pl.add_argument("--num-gpus", type=_positive_int, default=1, help="tensor-parallel GPUs")
-    pl.add_argument("--device", choices=plan.DEVICES, default="gpu")
+    pl.add_argument("--device", choices=DEVICES, default="gpu")
     pl.add_argument(
-        "--measurements",
+        "--results",
         metavar="PATH",
-        help="measured results to cite (JSON, kvlib/measurements.json layout; default: "
-        f"${plan.MEASUREMENTS_ENV}, else the package's own)",
+        help="measured results to cite (JSON, kvlib.results layout; default: "
+        f"${RESULTS_ENV}, else the package's kvlib/results.json)",
     )
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
 
@@ -172,7 +216,7 @@ def _params(n: int | None) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
 
-def _describe(spec: memory.ModelSpec) -> str:
+def _describe(spec: specs.ModelSpec) -> str:
     extra = ""
     if spec.is_mla:
         extra = f", MLA latent {spec.kv_lora_rank}+{spec.qk_rope_head_dim}"
@@ -186,7 +230,7 @@ def _describe(spec: memory.ModelSpec) -> str:
 
 
 def _cmd_memory(args: argparse.Namespace) -> tuple[str, Any]:
-    spec = memory.get_spec(args.model)
+    spec = specs.get_spec(args.model)
     bits_list = [16, 8, 4, 2] if args.bits is None else list(dict.fromkeys([16, args.bits]))
     weights = spec.weights_bytes(args.weight_bits) if spec.num_params else None
     rows, data = [], []
@@ -239,17 +283,17 @@ def _cmd_memory(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
-    gb = args.gpu_memory if args.gpu_memory is not None else gpu_memory_gb(args.gpu)
+    gib = args.gpu_memory if args.gpu_memory is not None else gpu_memory_gib(args.gpu)
     p = plan.recommend(
         args.model,
-        gb,
+        gib,
         args.context,
         concurrency=args.concurrency,
         quality=args.quality,
         weight_bits=args.weight_bits,
         num_gpus=args.num_gpus,
         device=args.device,
-        measurements=args.measurements,
+        results=args.results,
     )
     lines = [p.summary()]
     if p.kv is not None:
@@ -264,8 +308,8 @@ def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
 
 def _cmd_models(args: argparse.Namespace) -> tuple[str, Any]:
     rows, data = [], []
-    for name in memory.list_specs():
-        s = memory.get_spec(name)
+    for name in specs.list_specs():
+        s = specs.get_spec(name)
         per_token = memory.kv_bytes_per_token(s)
         rows.append(
             [

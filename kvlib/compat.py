@@ -10,6 +10,9 @@ the helpers below, so a rename is fixed here once:
 - :func:`forward` / :func:`generate` — call a model with a cache;
 - :func:`output_cache` — the cache object returned in a model output;
 - :func:`dynamic_cache` / :func:`hf_quantized_cache` — build transformers' own caches;
+- :func:`dynamic_cache_from` / :func:`cache_tensors` / :func:`clone_cache` — a DynamicCache from
+  per-layer tensors, its tensors back, a deep copy (notebook 05);
+- :func:`prefill_cache` — run a prefix through a model and keep its DynamicCache;
 - :func:`layer_types` — the attention layer types a config declares;
 - :func:`layer_nbytes` / :func:`cache_nbytes` — bytes really held by a cache (every packed
   code, scale, zero point and full-precision residual), for transformers' layers and kvlib's.
@@ -19,9 +22,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from kvlib.validate import check_int
 
 HF_BACKENDS = ("quanto", "hqq", "fp8")
 
@@ -125,6 +131,101 @@ def dynamic_cache(config: Any = None) -> Any:
     from transformers import DynamicCache
 
     return DynamicCache(config=config) if config is not None else DynamicCache()
+
+
+def dynamic_cache_from(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A transformers ``DynamicCache`` holding the given tensors (not copied).
+
+    Args:
+        layers: per decoder layer ``(keys, values)``, each ``(batch, kv_heads, seq_len,
+            head_dim)``.
+
+    Raises:
+        TypeError: not a sequence of (keys, values) tensor pairs.
+        ValueError: no layers, or tensors that are not 4-D.
+    """
+    from transformers import DynamicCache
+
+    if not isinstance(layers, Sequence) or isinstance(layers, torch.Tensor):
+        raise TypeError(
+            f"layers must be a list of (keys, values) per layer (got {type(layers).__name__})"
+        )
+    if not layers:
+        raise ValueError("layers must hold at least one (keys, values) pair")
+    for i, kv in enumerate(layers):
+        if not isinstance(kv, tuple | list) or len(kv) != 2:
+            raise TypeError(f"layer {i} must be a (keys, values) pair")
+        if not all(isinstance(t, torch.Tensor) for t in kv):
+            raise TypeError(f"layer {i}: keys and values must be torch.Tensors")
+        if kv[0].ndim != 4 or kv[1].ndim != 4:
+            raise ValueError(
+                f"layer {i}: keys/values must be (batch, kv_heads, seq_len, head_dim) "
+                f"(got {tuple(kv[0].shape)} / {tuple(kv[1].shape)})"
+            )
+    return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
+
+
+def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(keys, values), …]`` per layer of a transformers cache, each ``(batch, kv_heads, seq_len, head_dim)``.
+
+    The tensors are the cache's own (not copies).
+
+    Raises:
+        TypeError: not a transformers ``Cache`` with per-layer ``keys``/``values``.
+        ValueError: empty or inconsistent layers.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"cache must be a transformers DynamicCache (got {type(cache).__name__})")
+    out = []
+    for i, layer in enumerate(layers):
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.ndim != 4:
+            raise ValueError(
+                f"cache layer {i} holds no (batch, kv_heads, seq_len, head_dim) keys/values; "
+                "run a forward pass first"
+            )
+        if k.shape != v.shape:
+            raise ValueError(
+                f"cache layer {i}: keys {tuple(k.shape)} and values {tuple(v.shape)} differ "
+                "(models whose value head_dim differs from the key head_dim are not supported)"
+            )
+        out.append((k, v))
+    if not out:
+        raise ValueError("cache is empty (no layers)")
+    shape = out[0][0].shape
+    for i, (k, _) in enumerate(out):
+        if k.shape != shape:
+            raise ValueError(
+                f"cache layer {i} has shape {tuple(k.shape)}, layer 0 has {tuple(shape)}"
+            )
+    return out
+
+
+def clone_cache(cache: Any) -> Any:
+    """A deep copy of a DynamicCache (tensors cloned), so scoring one copy leaves the other intact."""
+    return dynamic_cache_from([(k.clone(), v.clone()) for k, v in cache_tensors(cache)])
+
+
+def prefill_cache(model: Any, input_ids: torch.Tensor, chunk_size: int | None = None) -> Any:
+    """Run ``input_ids`` ``(batch, seq_len)`` through the model; return the filled DynamicCache.
+
+    ``chunk_size`` feeds the prefix in pieces (same cache, less peak memory). Forward passes go
+    through :func:`forward`.
+
+    Raises:
+        TypeError: ``input_ids`` is not an integer tensor, or ``chunk_size`` not an int.
+        ValueError: ``input_ids`` not ``(batch, seq_len)`` with ``seq_len >= 1``, or
+            ``chunk_size < 1``.
+    """
+    ids = _check_ids(input_ids)
+    if ids.shape[1] < 1:
+        raise ValueError("input_ids must hold at least 1 token per row (got 0)")
+    step = ids.shape[1] if chunk_size is None else check_int(chunk_size, "chunk_size", minimum=1)
+    cache = dynamic_cache(model.config)
+    for start in range(0, ids.shape[1], step):
+        forward(model, ids[:, start : start + step], cache)
+    return cache
 
 
 def hf_quantized_cache(

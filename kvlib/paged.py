@@ -1,25 +1,24 @@
-"""PagedAttention from first principles: block allocator, paged KV cache, paged attention (notebook 06).
+"""PagedAttention from first principles: a paged K/V store, paged attention (notebook 06).
 
 A contiguous KV cache reserves one ``(kv_heads, max_len, head_dim)`` buffer per request, and a
 request that stops early leaves most of it unused. Paging (Kwon et al., *Efficient Memory
 Management for Large Language Model Serving with PagedAttention*, SOSP 2023 — the vLLM paper)
 splits the cache into fixed-size **blocks** of ``block_size`` tokens drawn from one preallocated
-pool; a per-sequence **block table** maps logical block ``i`` of a sequence to a physical block.
-Only the last block of a sequence can be partly empty, and blocks can be shared between
-sequences (reference counts; copy-on-write when a shared, partly filled block is written).
+pool, addressed through per-sequence **block tables**. The bookkeeping (free list, reference
+counts, fork and copy-on-write) is :class:`kvlib.blocks.BlockAllocator`; this module puts the
+tensors behind it:
 
-* :class:`BlockAllocator` — free list, reference counts, per-sequence block tables, ``fork`` and
-  copy-on-write; :class:`OutOfBlocks` when the pool is exhausted (nothing is half-allocated).
 * :class:`PagedKVCache` — one K and one V pool per layer, shaped
   ``(num_blocks, kv_heads, block_size, head_dim)``, addressed through the allocator.
 * :func:`paged_attention` — one decode step for a batch of sequences of different lengths,
-  reading keys and values through their block tables (vectorised gather, masked tail, GQA).
+  reading keys and values through their block tables (vectorised gather, masked tail, GQA); it
+  equals the dense reference :func:`kvlib.attention.dense_attention`.
 * :class:`PagedCache` / :class:`PagedCacheLayer` — a transformers ``Cache`` backed by the pool,
   so ``model.generate(..., cache=PagedCache(model.config, num_blocks=...))`` runs on it.
+* :func:`parallel_sampling` — the blocks prefix sharing saves for parallel samples.
 
-The serving simulation (:func:`~kvlib.serving.simulate_serving`, :func:`~kvlib.serving.make_trace`,
-:class:`~kvlib.serving.ServingStats`) lives in :mod:`kvlib.serving`, which builds on this module
-(and never the other way round: ``pyproject.toml``'s import-linter contracts check it).
+The serving simulation (:func:`~kvlib.serving.simulate_serving`) lives in :mod:`kvlib.serving`,
+which needs only the allocator (:mod:`kvlib.blocks`), not this module.
 """
 
 from __future__ import annotations
@@ -31,253 +30,18 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvlib.blocks import BlockAllocator, OutOfBlocks, blocks_needed
+from kvlib.specs import kv_geometry
+from kvlib.validate import check_int
+
 __all__ = [
-    "Appended",
-    "BlockAllocator",
-    "OutOfBlocks",
     "PagedCache",
     "PagedCacheLayer",
     "PagedKVCache",
     "ParallelSampling",
-    "blocks_needed",
-    "dense_attention",
     "paged_attention",
     "parallel_sampling",
 ]
-
-
-class OutOfBlocks(RuntimeError):
-    """The block pool cannot satisfy a request; the allocator state is unchanged.
-
-    A scheduler catches this to preempt a sequence (free its blocks and recompute it later).
-
-    Attributes:
-        requested: blocks the operation needed.
-        available: free blocks at the time.
-    """
-
-    def __init__(self, requested: int, available: int) -> None:
-        super().__init__(f"out of KV blocks: needed {requested}, {available} free")
-        self.requested = requested
-        self.available = available
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
-    return -(-num_tokens // block_size)
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int (got {type(value).__name__} {value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int (got {value})")
-    return value
-
-
-@dataclass(frozen=True)
-class Appended:
-    """What :meth:`BlockAllocator.append_slots` did, for the data layer to mirror.
-
-    Attributes:
-        slots: flat slot index ``block * block_size + offset`` for each new token, in order.
-        copies: ``(src_block, dst_block)`` pairs copied on write (copy the data before writing).
-        new_blocks: physical blocks freshly taken from the free list (including copy targets).
-    """
-
-    slots: tuple[int, ...]
-    copies: tuple[tuple[int, int], ...]
-    new_blocks: tuple[int, ...]
-
-
-class BlockAllocator:
-    """Physical block bookkeeping for a paged KV cache (no tensors; see :class:`PagedKVCache`).
-
-    Every block is either on the free list (reference count 0) or referenced by one or more
-    sequences' block tables (reference count = number of tables that hold it). Operations are
-    atomic: an operation that would need more blocks than are free raises :class:`OutOfBlocks`
-    before changing anything.
-
-    Args:
-        num_blocks: size of the pool.
-        block_size: tokens per block.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = _check_positive_int("num_blocks", num_blocks)
-        self.block_size = _check_positive_int("block_size", block_size)
-        # Popped from the end: block 0 is handed out first, which makes pictures readable.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._refcount = [0] * num_blocks
-        self._tables: dict[Hashable, list[int]] = {}
-        self._lens: dict[Hashable, int] = {}
-        self.num_cow_copies = 0
-
-    # --- inspection -------------------------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        """Blocks on the free list."""
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        """Blocks referenced by at least one sequence."""
-        return self.num_blocks - len(self._free)
-
-    @property
-    def sequences(self) -> list[Hashable]:
-        """Ids of the live sequences, in creation order."""
-        return list(self._tables)
-
-    @property
-    def free_list(self) -> list[int]:
-        """A copy of the free list (next block handed out last)."""
-        return list(self._free)
-
-    def refcount(self, block: int) -> int:
-        """Number of block tables that hold physical block ``block``."""
-        return self._refcount[block]
-
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        """A copy of the sequence's block table (logical block ``i`` → physical block)."""
-        return list(self._tables[self._check_seq(seq_id)])
-
-    def seq_len(self, seq_id: Hashable) -> int:
-        """Tokens the sequence holds."""
-        return self._lens[self._check_seq(seq_id)]
-
-    def last_block(self, seq_id: Hashable) -> int | None:
-        """Physical block holding the sequence's last token (``None`` when it is empty)."""
-        table = self._tables[self._check_seq(seq_id)]
-        return table[-1] if table else None
-
-    def used_tokens(self) -> int:
-        """Distinct tokens stored: shared blocks count once (a shared block is full or identical)."""
-        filled: dict[int, int] = {}
-        for seq_id, table in self._tables.items():
-            n = self._lens[seq_id]
-            for i, block in enumerate(table):
-                filled[block] = max(
-                    filled.get(block, 0), min(self.block_size, n - i * self.block_size)
-                )
-        return sum(filled.values())
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._tables
-
-    def __repr__(self) -> str:
-        return (
-            f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"used={self.num_used}, sequences={len(self._tables)})"
-        )
-
-    def _check_seq(self, seq_id: Hashable) -> Hashable:
-        if seq_id not in self._tables:
-            raise KeyError(f"unknown sequence {seq_id!r} (live: {list(self._tables)[:8]})")
-        return seq_id
-
-    def _take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free))
-        taken = [self._free.pop() for _ in range(n)]
-        for block in taken:
-            self._refcount[block] = 1
-        return taken
-
-    def _release(self, block: int) -> None:
-        if self._refcount[block] <= 0:  # pragma: no cover - guarded by the invariants
-            raise RuntimeError(
-                f"block {block} released with reference count {self._refcount[block]}"
-            )
-        self._refcount[block] -= 1
-        if self._refcount[block] == 0:
-            self._free.append(block)
-
-    # --- operations -------------------------------------------------------------------------
-    def allocate(self, seq_id: Hashable, num_tokens: int = 0) -> list[int]:
-        """Create sequence ``seq_id`` holding ``num_tokens`` tokens; return its block table.
-
-        Raises:
-            ValueError: ``seq_id`` already exists or ``num_tokens`` is negative.
-            OutOfBlocks: fewer than ``ceil(num_tokens / block_size)`` blocks are free.
-        """
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} already exists; free it or pick a new id")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be a non-negative int (got {num_tokens!r})")
-        table = self._take(blocks_needed(num_tokens, self.block_size))
-        self._tables[seq_id] = table
-        self._lens[seq_id] = num_tokens
-        return list(table)
-
-    def append_slots(self, seq_id: Hashable, num_tokens: int = 1) -> Appended:
-        """Make room for ``num_tokens`` more tokens at the end of ``seq_id``.
-
-        New blocks are taken when the last block fills up. If the last block is partly filled
-        and shared with another sequence, it is first copied to a fresh block (copy-on-write),
-        so that writing the new tokens cannot change the other sequence's data.
-
-        Raises:
-            OutOfBlocks: not enough free blocks (the sequence and the pool are unchanged).
-        """
-        self._check_seq(seq_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be a non-negative int (got {num_tokens!r})")
-        table, n, bs = self._tables[seq_id], self._lens[seq_id], self.block_size
-        grow = blocks_needed(n + num_tokens, bs) - len(table)
-        cow = num_tokens > 0 and n % bs != 0 and self._refcount[table[-1]] > 1
-        fresh = self._take(grow + int(cow))  # raises before anything changes
-        copies: list[tuple[int, int]] = []
-        if cow:
-            src, dst = table[-1], fresh[0]
-            self._release(src)
-            table[-1] = dst
-            copies.append((src, dst))
-            self.num_cow_copies += 1
-        table.extend(fresh[int(cow) :])
-        slots = tuple(table[t // bs] * bs + t % bs for t in range(n, n + num_tokens))
-        self._lens[seq_id] = n + num_tokens
-        return Appended(slots=slots, copies=tuple(copies), new_blocks=tuple(fresh))
-
-    def fork(self, parent: Hashable, child: Hashable) -> list[int]:
-        """Create ``child`` sharing every block of ``parent`` (reference counts +1); no copy.
-
-        Raises:
-            KeyError: unknown ``parent``.
-            ValueError: ``child`` already exists.
-        """
-        self._check_seq(parent)
-        if child in self._tables:
-            raise ValueError(f"sequence {child!r} already exists; free it or pick a new id")
-        table = list(self._tables[parent])
-        for block in table:
-            self._refcount[block] += 1
-        self._tables[child] = table
-        self._lens[child] = self._lens[parent]
-        return list(table)
-
-    def free(self, seq_id: Hashable) -> list[int]:
-        """Drop ``seq_id``; blocks no other sequence holds go back to the free list (returned)."""
-        table = self._tables.pop(self._check_seq(seq_id))
-        del self._lens[seq_id]
-        before = len(self._free)
-        for block in reversed(table):
-            self._release(block)
-        return self._free[before:]
-
-    def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if the bookkeeping is inconsistent (used by the tests)."""
-        counts = [0] * self.num_blocks
-        for seq_id, table in self._tables.items():
-            assert len(table) == blocks_needed(self._lens[seq_id], self.block_size), seq_id
-            assert len(set(table)) == len(table), f"{seq_id!r} holds a block twice"
-            for block in table:
-                counts[block] += 1
-        assert counts == self._refcount, "reference counts disagree with the block tables"
-        assert len(set(self._free)) == len(self._free), "a block is on the free list twice"
-        assert all(c >= 0 for c in self._refcount), "negative reference count"
-        free = set(self._free)
-        assert all((c == 0) == (b in free) for b, c in enumerate(counts)), "free list is wrong"
 
 
 class PagedKVCache:
@@ -304,9 +68,9 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        _check_positive_int("kv_heads", kv_heads)
-        _check_positive_int("head_dim", head_dim)
-        _check_positive_int("num_layers", num_layers)
+        check_int(kv_heads, "kv_heads", minimum=1)
+        check_int(head_dim, "head_dim", minimum=1)
+        check_int(num_layers, "num_layers", minimum=1)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.kv_heads, self.head_dim, self.num_layers = kv_heads, head_dim, num_layers
         shape = (num_blocks, kv_heads, block_size, head_dim)
@@ -529,28 +293,6 @@ def paged_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def dense_attention(
-    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
-) -> torch.Tensor:
-    """The dense reference: ``scaled_dot_product_attention`` per sequence (GQA by head repeat).
-
-    Args:
-        query: ``(num_seqs, num_heads, head_dim)``.
-        keys, values: one ``(kv_heads, seq_len_i, head_dim)`` tensor per sequence.
-
-    Returns:
-        ``(num_seqs, num_heads, head_dim)``.
-    """
-    outs = []
-    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-        group = query.shape[1] // k.shape[0]
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-        q = query[i][:, None, :]  # (H, 1, D)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, 0])
-    return torch.stack(outs)
-
-
 # --- transformers integration ---------------------------------------------------------------
 class PagedCacheLayer(CacheLayerMixin):
     """One layer of :class:`PagedCache`: ``update`` appends into the shared paged pool and
@@ -558,6 +300,10 @@ class PagedCacheLayer(CacheLayerMixin):
 
     Batch row ``b`` is sequence ``b`` of the pool. Attention itself stays the model's own (it
     receives the gathered tensors), so outputs match :class:`transformers.DynamicCache` exactly.
+
+    The layer talks to its :class:`PagedCache` (``parent``) through two public methods only:
+    :meth:`PagedCache.ensure_store` (the shared pool, made on first use) and
+    :meth:`PagedCache.reset`.
     """
 
     is_sliding = False
@@ -571,7 +317,7 @@ class PagedCacheLayer(CacheLayerMixin):
         self._batch = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.parent._ensure_store(key_states)
+        self.parent.ensure_store(key_states)
         self.device = key_states.device
         self._batch = key_states.shape[0]
         self.is_initialized = True
@@ -583,8 +329,7 @@ class PagedCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self._batch:
             raise ValueError(f"batch size changed from {self._batch} to {key_states.shape[0]}")
-        store = self.parent.store
-        assert store is not None
+        store = self.parent.ensure_store(key_states)
         for b in range(self._batch):
             store.append(b, key_states[b], value_states[b], layer=self.layer_idx)
         self._len += key_states.shape[-2]
@@ -601,7 +346,13 @@ class PagedCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.parent._reset()
+        """Reset the whole :class:`PagedCache`: its layers share one pool and one set of block
+        tables, so one layer cannot be emptied alone."""
+        self.parent.reset()
+
+    def clear(self) -> None:
+        """Forget this layer's length and batch (called by :meth:`PagedCache.reset`)."""
+        self._len, self._batch, self.is_initialized = 0, 0, False
 
     def offload(self) -> None:  # the pool stays where it is
         return None
@@ -627,20 +378,18 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config: Any, num_blocks: int, block_size: int = 16) -> None:
-        text = (
-            config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        )
-        self.num_blocks = _check_positive_int("num_blocks", num_blocks)
-        self.block_size = _check_positive_int("block_size", block_size)
-        self.num_layers = text.num_hidden_layers
-        self.kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self.head_dim = (
-            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        )
+        self.num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
+        self.block_size = check_int(block_size, "block_size", minimum=1)
+        geometry = kv_geometry(config)
+        self.num_layers = geometry.num_layers
+        self.kv_heads = geometry.num_kv_heads
+        self.head_dim = geometry.head_dim
         self.store: PagedKVCache | None = None
         super().__init__(layers=[PagedCacheLayer(self, i) for i in range(self.num_layers)])
 
-    def _ensure_store(self, key_states: torch.Tensor) -> None:
+    def ensure_store(self, key_states: torch.Tensor) -> PagedKVCache:
+        """The shared pool, made on first use with the dtype and device of ``key_states``
+        ``(batch, kv_heads, seq_len, head_dim)`` (which must match the config)."""
         if self.store is None:
             if key_states.shape[1] != self.kv_heads or key_states.shape[-1] != self.head_dim:
                 raise ValueError(
@@ -656,11 +405,13 @@ class PagedCache(Cache):
                 dtype=key_states.dtype,
                 device=key_states.device,
             )
+        return self.store
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Drop the pool and every layer's state; the next ``update`` starts from scratch."""
         self.store = None
         for layer in self.layers:
-            layer._len, layer._batch, layer.is_initialized = 0, 0, False
+            layer.clear()
 
 
 @dataclass(frozen=True)
@@ -700,10 +451,10 @@ def parallel_sampling(
     Unshared: each sample prefills its own copy of the prompt.
     """
     for name, value in (("prompt_len", prompt_len), ("num_samples", num_samples)):
-        _check_positive_int(name, value)
+        check_int(value, name, minimum=1)
     if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 0:
         raise ValueError(f"output_len must be a non-negative int (got {output_len!r})")
-    _check_positive_int("block_size", block_size)
+    check_int(block_size, "block_size", minimum=1)
     per_sample = blocks_needed(prompt_len + output_len, block_size)
     big = num_samples * per_sample + num_samples
     results = {}

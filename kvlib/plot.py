@@ -204,7 +204,7 @@ def block_map(
     title: str | None = None,
     annotate: bool = True,
 ) -> Any:
-    """The physical blocks of a :class:`kvlib.paged.BlockAllocator`, drawn as a grid.
+    """The physical blocks of a :class:`kvlib.blocks.BlockAllocator`, drawn as a grid.
 
     Each cell is one physical block (numbered row by row): coloured by the sequence that holds
     it, grey with ``a+b`` when several sequences share it, white when free. ``annotate`` writes

@@ -1,6 +1,8 @@
-"""Integer quantization of KV-cache tensors with real bit-packing (int8 / int4 / int3 / int2).
+"""Integer quantization of one tensor with real bit-packing (int8 / int4 / int3 / int2).
 
-Introduced in notebooks 02 (int8) and 03 (int4, int3, int2, groups, Hadamard rotation).
+Introduced in notebooks 02 (int8) and 03 (int4, int3, int2, groups, Hadamard rotation). How a
+whole layer's keys and values are stored (windows, per-channel keys, rotation) is a *recipe*, in
+:mod:`kvlib.recipes`; the byte layout of the codes is :mod:`kvlib.packing`.
 
 Tensors follow the transformers convention ``(batch, kv_heads, seq_len, head_dim)``.
 :func:`quantize` reduces its min/max (or absmax) statistics over ONE axis:
@@ -14,7 +16,7 @@ Asymmetric (default) maps ``[min, max]`` of each group onto the codes ``0 .. 2**
 keeps a scale and an offset (the group's minimum, i.e. the zero point) per group; symmetric maps
 ``[-absmax, absmax]`` onto ``-(2**(bits-1) - 1) .. 2**(bits-1) - 1`` and keeps one scale per group.
 
-Storage is real: codes are bit-packed into ``uint8`` (:func:`pack`), and
+Storage is real: codes are bit-packed into ``uint8`` (:func:`kvlib.packing.pack`), and
 :attr:`QuantizedTensor.nbytes` counts the packed codes plus every scale and offset kept, in the
 dtype they are kept in. Scales and offsets are kept in **float16** by default (half the metadata
 of float32). Where float16 cannot hold a tensor's statistics faithfully — it would overflow or
@@ -27,6 +29,9 @@ quantization step of ``x`` (the step of its group, at most ``1 + 2**-6`` times t
 ``(max - min) / (2**bits - 1)``), plus the rounding of the output dtype; constant groups
 reconstruct exactly. Codes are computed with the stored (rounded) scale, which is what makes the
 bound hold.
+
+:func:`hadamard` is the orthonormal rotation applied along head_dim before quantizing, by
+:mod:`kvlib.recipes` and :mod:`kvlib.cache`.
 """
 
 from __future__ import annotations
@@ -36,118 +41,46 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvlib.packing import pack_uint8, packed_nbytes, unpack
+from kvlib.validate import check_bits, check_int
+
 __all__ = [
-    "SUPPORTED_BITS",
     "QuantizedTensor",
-    "quantize",
-    "pack",
-    "unpack",
-    "packed_nbytes",
+    "StorageCost",
     "hadamard",
-    "KVRecipe",
-    "QuantizedKV",
-    "quantize_kv",
+    "quantize",
 ]
 
-SUPPORTED_BITS = (2, 3, 4, 8)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # float16 metadata may widen a group's step by at most this fraction before we fall back to fp32.
 _MAX_STEP_INFLATION = 2.0**-6
 
 
-def _check_bits(bits: object) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(f"bits must be an int, one of 2, 3, 4, 8 (got {bits!r})")
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of 2, 3, 4, 8 (got {bits})")
-    return bits
-
-
-def packed_nbytes(n: int, bits: int) -> int:
-    """Bytes that :func:`pack` uses for ``n`` codes of ``bits`` bits (padding included)."""
-    bits = _check_bits(bits)
-    if bits == 3:
-        return 3 * math.ceil(n / 8)
-    return math.ceil(n * bits / 8)
-
-
-# ---------------------------------------------------------------- bit-packing
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer ``codes`` (any shape, values in ``0 .. 2**bits - 1``) into a 1-D uint8 tensor.
-
-    Codes are taken in row-major (flattened) order. Layout, little-end first:
-
-    * 8 bits: one code per byte;
-    * 4 bits: two codes per byte, code ``2i`` in the low nibble, ``2i+1`` in the high nibble;
-    * 2 bits: four codes per byte, code ``4i + j`` in bits ``2j .. 2j+1``;
-    * 3 bits: eight codes in three bytes, code ``8i + j`` in bits ``3j .. 3j+2`` of the 24-bit
-      little-endian word made of bytes ``3i, 3i+1, 3i+2``.
-
-    The tail is zero-padded to a whole byte (whole 3-byte word for 3 bits); :func:`unpack` needs
-    the code count ``n`` to drop the padding.
-    """
-    bits = _check_bits(bits)
-    if not isinstance(codes, torch.Tensor):
-        raise TypeError(f"codes must be a torch.Tensor (got {type(codes).__name__})")
-    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
-        raise TypeError(f"codes must be an integer tensor (got {codes.dtype})")
-    flat = codes.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) > (1 << bits) - 1):
-        raise ValueError(
-            f"codes must lie in 0..{(1 << bits) - 1} for bits={bits} "
-            f"(got values in {int(flat.min())}..{int(flat.max())})"
-        )
-    flat = flat.to(torch.uint8)
-    return pack_uint8(flat.clone() if bits == 8 else flat, bits)
-
-
-def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: the first ``n`` codes as a 1-D uint8 tensor."""
-    bits = _check_bits(bits)
-    if not isinstance(packed, torch.Tensor):
-        raise TypeError(f"packed must be a torch.Tensor (got {type(packed).__name__})")
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"packed must be a uint8 tensor (got {packed.dtype})")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int (got {n!r})")
-    need = packed_nbytes(n, bits)
-    p = packed.reshape(-1)
-    if p.numel() < need:
-        raise ValueError(f"{n} codes of {bits} bits need {need} bytes (got {p.numel()})")
-    p = p[:need]
-    if bits == 8:
-        return p
-    # Each code position is computed by a contiguous uint8 kernel, then one stack interleaves
-    # them (measured faster on CPU than writing each position into a strided output column).
-    if bits == 4:
-        parts = [p & 0x0F, p >> 4]
-    elif bits == 2:
-        parts = [p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6]
-    else:
-        b = p.view(-1, 3)
-        b0, b1, b2 = b[:, 0], b[:, 1], b[:, 2]
-        parts = [
-            b0 & 7,
-            (b0 >> 3) & 7,
-            (b0 >> 6) | ((b1 & 1) << 2),
-            (b1 >> 1) & 7,
-            (b1 >> 4) & 7,
-            (b1 >> 7) | ((b2 & 3) << 1),
-            (b2 >> 2) & 7,
-            b2 >> 5,
-        ]
-    out = torch.stack(parts, dim=1)
-    out = out.view(-1)
-    return out if out.numel() == n else out[:n]
-
-
 # ---------------------------------------------------------------- quantized tensor
 
 
+class StorageCost:
+    """What quantized storage costs, from its ``nbytes`` (real bytes, metadata included) and
+    ``numel`` (elements stored): shared by :class:`QuantizedTensor` and
+    :class:`kvlib.recipes.QuantizedKV`."""
+
+    nbytes: int
+    numel: int
+
+    @property
+    def bits_per_element(self) -> float:
+        """``8 * nbytes / numel`` — the bits each element really costs, metadata included."""
+        return 8 * self.nbytes / self.numel
+
+    def compression_ratio(self, reference_bits: int = 16) -> float:
+        """Size at ``reference_bits`` per element divided by :attr:`nbytes`."""
+        if reference_bits <= 0:
+            raise ValueError(f"reference_bits must be positive (got {reference_bits})")
+        return self.numel * reference_bits / 8 / self.nbytes
+
+
 @dataclass(frozen=True)
-class QuantizedTensor:
+class QuantizedTensor(StorageCost):
     """A quantized tensor: bit-packed codes plus per-group scale (and offset).
 
     ``packed`` holds the codes of the original tensor in its row-major order. With the original
@@ -198,17 +131,6 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         """Real storage: packed codes + every scale and offset, in their stored dtype."""
         return self.code_nbytes + self.metadata_nbytes
-
-    @property
-    def bits_per_element(self) -> float:
-        """``8 * nbytes / numel`` — the bits each element really costs, metadata included."""
-        return 8 * self.nbytes / self.numel
-
-    def compression_ratio(self, reference_bits: int = 16) -> float:
-        """Size of the tensor at ``reference_bits`` per element divided by :attr:`nbytes`."""
-        if reference_bits <= 0:
-            raise ValueError(f"reference_bits must be positive (got {reference_bits})")
-        return self.numel * reference_bits / 8 / self.nbytes
 
     # -- movement
     def to(self, device: torch.device | str) -> QuantizedTensor:
@@ -448,7 +370,7 @@ def quantize(
     Returns:
         A :class:`QuantizedTensor`; ``.dequantize()`` gives back the original shape and dtype.
     """
-    bits = _check_bits(bits)
+    bits = check_bits(bits)
     x = _check_input(x)
     ax = _normalize_axis(axis, x.ndim)
     length = x.shape[ax]
@@ -513,29 +435,6 @@ def quantize(
     )
 
 
-def pack_uint8(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`pack` for uint8 codes already known to be in range (no checks, no copy at 8 bits)."""
-    flat = codes.reshape(-1)
-    if bits == 8:
-        return flat
-    per = 8 if bits == 3 else 8 // bits
-    if flat.numel() % per:
-        flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % per)])
-    c = flat.view(-1, per)
-    if bits == 4:
-        return c[:, 0] | (c[:, 1] << 4)
-    if bits == 2:
-        return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
-    # bits == 3: codes 0..7 of a word -> bits 0..23 of bytes b0, b1, b2 (little-endian)
-    out = torch.empty(c.shape[0], 3, dtype=torch.uint8, device=c.device)
-    torch.bitwise_or(c[:, 0] | (c[:, 1] << 3), (c[:, 2] & 3) << 6, out=out[:, 0])
-    torch.bitwise_or(
-        (c[:, 2] >> 2) | (c[:, 3] << 1) | (c[:, 4] << 4), (c[:, 5] & 1) << 7, out=out[:, 1]
-    )
-    torch.bitwise_or((c[:, 5] >> 1) | (c[:, 6] << 2), c[:, 7] << 5, out=out[:, 2])
-    return out.view(-1)
-
-
 def _asymmetric_scale(mn, mx, bits, work, scale_dtype):
     """Per-group (scale, offset), flat; offset <= min and offset + qmax * scale >= max."""
     qmax = (1 << bits) - 1
@@ -588,8 +487,7 @@ def hadamard(
     Rotating head_dim with it (``x @ H``) before quantizing spreads an outlier channel over all
     channels; ``x_hat @ H.T`` rotates back. ``n`` must be a power of two.
     """
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int (got {n!r})")
+    n = check_int(n, "n")
     if n < 1 or n & (n - 1):
         raise ValueError(f"n must be a power of two (got {n})")
     if not dtype.is_floating_point:
@@ -598,185 +496,3 @@ def hadamard(
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / math.sqrt(n)).to(dtype=dtype, device=device)
-
-
-# ---------------------------------------------------------------- KV recipes
-
-_RECIPE_AXES = (None, -1, -2)
-
-
-@dataclass(frozen=True)
-class KVRecipe:
-    """How one layer's keys and values are stored: a quantization *recipe* (notebook 03).
-
-    Tokens are split along ``seq_len`` into three windows: the first ``sinks`` tokens
-    ("attention sinks") and the last ``residual`` tokens are kept in float16; the tokens between
-    them are quantized to ``bits`` bits. ``key_axis`` / ``value_axis`` name the axis the
-    statistics are reduced over, as in :func:`quantize` for a ``(batch, kv_heads, seq_len,
-    head_dim)`` tensor: ``-2`` per-channel (over tokens), ``-1`` per-token (over head_dim),
-    ``None`` per-tensor (one scale for the layer's whole tensor, all heads mixed).
-    ``key_group_size`` / ``value_group_size`` split the reduced axis into groups. Where a
-    per-channel group runs along the tokens, the quantized window is trimmed to a whole number
-    of groups and the leftover tokens join the float16 residual window — as KIVI keeps the
-    not-yet-full group in full precision. ``rotate`` multiplies head_dim by an orthonormal
-    Hadamard matrix (:func:`hadamard`) before quantizing and rotates back after.
-    ``bits=16`` stores everything in float16 (the baseline).
-
-    The KIVI recipe (Liu et al., 2024) is ``KVRecipe(bits, key_axis=-2, value_axis=-1,
-    key_group_size=32, residual=128)``; naive per-token is ``KVRecipe(bits, key_axis=-1,
-    value_axis=-1)``.
-    """
-
-    bits: int = 4
-    key_axis: int | None = -2
-    value_axis: int | None = -1
-    key_group_size: int | None = None
-    value_group_size: int | None = None
-    symmetric: bool = False
-    residual: int = 0
-    sinks: int = 0
-    rotate: bool = False
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
-            raise TypeError(f"bits must be an int, one of 2, 3, 4, 8, 16 (got {self.bits!r})")
-        if self.bits not in (*SUPPORTED_BITS, 16):
-            raise ValueError(f"bits must be one of 2, 3, 4, 8, 16 (got {self.bits})")
-        for field in ("key_axis", "value_axis"):
-            axis = getattr(self, field)
-            if isinstance(axis, bool) or axis not in _RECIPE_AXES:
-                raise ValueError(
-                    f"{field} must be -2 (per-channel), -1 (per-token) or None (per-tensor) "
-                    f"(got {axis!r})"
-                )
-        for field in ("key_group_size", "value_group_size"):
-            g = getattr(self, field)
-            if g is None:
-                continue
-            if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
-                raise ValueError(f"{field} must be a positive int or None (got {g!r})")
-            if getattr(self, field.replace("group_size", "axis")) is None:
-                raise ValueError(f"{field} needs a key/value axis (per-tensor has no groups)")
-        for field in ("residual", "sinks"):
-            n = getattr(self, field)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"{field} must be a non-negative int (got {n!r})")
-
-    @property
-    def label(self) -> str:
-        """``name`` if given, else a short description such as ``"K/ch V/tok 4b r128"``."""
-        if self.name:
-            return self.name
-        if self.bits == 16:
-            return "fp16"
-        axes = {None: "tensor", -1: "tok", -2: "ch"}
-        parts = [f"K/{axes[self.key_axis]}", f"V/{axes[self.value_axis]}", f"{self.bits}b"]
-        if self.rotate:
-            parts.append("H")
-        if self.sinks:
-            parts.append(f"s{self.sinks}")
-        if self.residual:
-            parts.append(f"r{self.residual}")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class QuantizedKV:
-    """One layer's keys and values after a :class:`KVRecipe`: reconstructions and real bytes.
-
-    ``keys`` / ``values`` have the input shape ``(batch, kv_heads, seq_len, head_dim)`` and
-    dtype; ``nbytes`` counts packed codes, every scale and zero point, and the float16 windows.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    nbytes: int
-    numel: int
-    fp16_tokens: int
-
-    @property
-    def bits_per_element(self) -> float:
-        """``8 * nbytes / numel`` over keys and values together, metadata included."""
-        return 8 * self.nbytes / self.numel
-
-    def compression_ratio(self, reference_bits: int = 16) -> float:
-        """Size at ``reference_bits`` per element divided by :attr:`nbytes`."""
-        if reference_bits <= 0:
-            raise ValueError(f"reference_bits must be positive (got {reference_bits})")
-        return self.numel * reference_bits / 8 / self.nbytes
-
-
-def _token_group(recipe: KVRecipe) -> int:
-    """The number of tokens the quantized window must be a multiple of."""
-    g = 1
-    for axis, gs in (
-        (recipe.key_axis, recipe.key_group_size),
-        (recipe.value_axis, recipe.value_group_size),
-    ):
-        if axis == -2 and gs is not None:
-            g = math.lcm(g, gs)
-    return g
-
-
-def _quantize_window(
-    x: torch.Tensor, recipe: KVRecipe, axis: int | None, group_size: int | None
-) -> tuple[torch.Tensor, int]:
-    """Quantize + dequantize ``x`` (b, h, n, d) per the recipe; (reconstruction, bytes)."""
-    h = hadamard(x.shape[-1], dtype=torch.float32, device=x.device) if recipe.rotate else None
-    work = x.float() @ h if h is not None else x
-    if axis is None:
-        q = quantize(work.reshape(-1), recipe.bits, axis=0, symmetric=recipe.symmetric)
-    else:
-        q = quantize(
-            work, recipe.bits, axis=axis, group_size=group_size, symmetric=recipe.symmetric
-        )
-    y = q.dequantize(torch.float32 if h is not None else None).view(x.shape)
-    if h is not None:
-        y = (y @ h.T).to(x.dtype)
-    return y, q.nbytes
-
-
-def quantize_kv(keys: torch.Tensor, values: torch.Tensor, recipe: KVRecipe) -> QuantizedKV:
-    """Store one layer's ``keys`` and ``values`` ``(batch, kv_heads, seq_len, head_dim)`` per
-    ``recipe`` and return their reconstructions and the real bytes kept (see :class:`KVRecipe`).
-
-    Introduced in notebook 03. The float16 windows are reconstructed as the float16 values
-    (what a float16 cache holds); everything is computed with :func:`quantize`.
-    """
-    if not isinstance(recipe, KVRecipe):
-        raise TypeError(f"recipe must be a KVRecipe (got {type(recipe).__name__})")
-    for name, t in (("keys", keys), ("values", values)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 4:
-            raise ValueError(f"{name} must be a 4-d tensor (batch, kv_heads, seq_len, head_dim)")
-        _check_input(t)
-    if keys.shape != values.shape:
-        raise ValueError(
-            f"keys and values must have the same shape (got {tuple(keys.shape)} and "
-            f"{tuple(values.shape)})"
-        )
-    if recipe.rotate and keys.shape[-1] & (keys.shape[-1] - 1):
-        raise ValueError(f"rotate needs a power-of-two head_dim (got {keys.shape[-1]})")
-    seq = keys.shape[2]
-    start = min(recipe.sinks, seq)
-    end = max(start, seq - recipe.residual)
-    if recipe.bits == 16:
-        end = start
-    end -= (end - start) % _token_group(recipe)
-    numel = 2 * keys.numel()
-    fp16_tokens = seq - (end - start)
-    per_token_fp16 = keys.shape[0] * keys.shape[1] * keys.shape[3] * 2  # bytes, one tensor
-
-    nbytes = 2 * fp16_tokens * per_token_fp16
-    outs = []
-    for x, axis, gs in (
-        (keys, recipe.key_axis, recipe.key_group_size),
-        (values, recipe.value_axis, recipe.value_group_size),
-    ):
-        y = x.to(torch.float16, copy=True).to(x.dtype)  # the float16 windows (a copy)
-        if end > start:
-            mid, n = _quantize_window(x[:, :, start:end], recipe, axis, gs)
-            y[:, :, start:end] = mid
-            nbytes += n
-        outs.append(y)
-    return QuantizedKV(outs[0], outs[1], nbytes, numel, fp16_tokens)

@@ -12,7 +12,7 @@ Policies (what is reserved when a request is admitted):
   before vLLM did (they cannot know the output length in advance).
 * ``"contiguous-exact"`` — an oracle that reserves exactly ``prompt_len + output_len``; it still
   wastes the slots reserved for tokens not generated yet.
-* ``"paged"`` — blocks of ``block_size`` tokens from a real :class:`kvlib.paged.BlockAllocator`,
+* ``"paged"`` — blocks of ``block_size`` tokens from a real :class:`kvlib.blocks.BlockAllocator`,
   taken as tokens arrive; when the pool runs out the youngest running request is preempted
   (its blocks freed, the request re-queued and later recomputed), as vLLM does.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlib.paged import BlockAllocator, blocks_needed
+from kvlib.blocks import BlockAllocator, blocks_needed
 
 POLICIES = ("contiguous-max", "contiguous-exact", "paged")
 

@@ -1,23 +1,27 @@
-"""GPU check of the full-model harness (kvlib.harness, notebook 07): one command, no internet.
+"""GPU check of the full-model comparison and what-fits probe (notebook 07): one command, offline.
 
     python scripts/gpu_check.py             # CUDA: random-init SmolLM2-1.7B architecture, 32k context
     python scripts/gpu_check.py --dry-run   # the same code path on CPU at tiny sizes, in seconds
 
 On a CUDA machine it builds a randomly initialised model of a real architecture (no hub
-access needed; :func:`kvlib.harness.random_model`), then
+access needed; :func:`kvlib.model_choice.random_model`), then
 
 1. checks every kvlib cache (and transformers' quanto cache, for reference) against
    transformers' DynamicCache after a chunked prefill of ``--context`` random tokens: layer-0
    attention-output error (the cache's error alone), logits error, argmax agreement
-   (:func:`kvlib.harness.cache_agreement`), PASS/FAIL against
-   :data:`kvlib.harness.AGREEMENT_LIMITS`;
+   (:func:`kvlib.compare.cache_agreement`), PASS/FAIL against
+   :data:`kvlib.compare.AGREEMENT_LIMITS`;
 2. measures peak allocated memory, cache bytes, decode tokens/s and time to first token per
-   cache at that context (:func:`kvlib.harness.run_cache_comparison`, which times with
-   :func:`kvlib.eval.generation_benchmark`: warm-up, medians, ``cuda.synchronize``);
-3. finds what fits in an emulated smaller GPU (``--budget-gb``,
+   cache at that context (:func:`kvlib.compare.run_cache_comparison`, which times with
+   :func:`kvlib.quality.generation_benchmark`: warm-up, medians, ``cuda.synchronize``);
+3. finds what fits in an emulated smaller GPU (``--budget-gib``,
    ``torch.cuda.set_per_process_memory_fraction``): longest context and largest batch per
    cache, predicted by kvlib.memory and measured, out-of-memory caught
-   (:func:`kvlib.harness.what_fits`).
+   (:func:`kvlib.capacity.what_fits`).
+
+Cache names are :data:`kvlib.cache_registry.CACHE_NAMES`; the reference DynamicCache, named
+for the model's dtype (``dynamic-bf16`` on most GPUs, ``dynamic-fp32`` in the dry run), always
+runs first, so ``--caches`` lists the others.
 
 It prints Markdown tables headed with the date and the device name, and stops starting new
 sections once ``--time-limit`` seconds have passed (the default keeps the whole run under
@@ -40,10 +44,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kvlib import harness, memory  # noqa: E402
+from kvlib import memory  # noqa: E402
+from kvlib.cache_registry import cache_info, reference_name  # noqa: E402
+from kvlib.capacity import FitRow, release_memory, simulated_budget_runner, what_fits  # noqa: E402
+from kvlib.compare import (  # noqa: E402
+    Agreement,
+    ComparisonRow,
+    cache_agreement,
+    run_cache_comparison,
+)
+from kvlib.model_choice import DEFAULT_RANDOM_SPEC, random_model  # noqa: E402
+from kvlib.specs import spec_from_config  # noqa: E402
 
-DEFAULT_CACHES = ("dynamic", "kvlib-int8", "kvlib-int4", "kvlib-int2", "quanto-int4")
-FIT_CACHES = ("dynamic", "kvlib-int8", "kvlib-int4", "kvlib-int2")
+#: Compared with the reference DynamicCache (always run first, named for the model's dtype).
+DEFAULT_CACHES = ("kvlib-int8", "kvlib-int4", "kvlib-int2", "quanto-int4")
+#: Probed for what fits, next to the reference.
+FIT_CACHES = ("kvlib-int8", "kvlib-int4", "kvlib-int2")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,22 +68,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--spec",
         default=None,
-        help=f"kvlib.memory registry name (default {harness.DEFAULT_RANDOM_SPEC}; "
+        help=f"kvlib.specs registry name (default {DEFAULT_RANDOM_SPEC}; "
         "smollm2-135m with --dry-run)",
     )
     p.add_argument("--layers", type=int, default=None, help="fewer decoder layers (default: all)")
     p.add_argument("--context", type=int, default=32768, help="prompt tokens (default 32768)")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per timed run")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per cache (median)")
-    p.add_argument("--caches", default=",".join(DEFAULT_CACHES), help="comma-separated names")
-    p.add_argument("--budget-gb", type=float, default=8.0, help="emulated GPU size, GB (1e9 B)")
+    p.add_argument(
+        "--caches",
+        default=",".join(DEFAULT_CACHES),
+        help="comma-separated names, compared with the reference DynamicCache",
+    )
+    p.add_argument("--budget-gib", type=float, default=8.0, help="emulated GPU size, GiB (2**30 B)")
     p.add_argument("--batch-context", type=int, default=8192, help="context of the batch probe")
     p.add_argument("--no-fits", action="store_true", help="skip the what-fits section")
     p.add_argument("--time-limit", type=float, default=240.0, help="seconds; later sections skip")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.spec is None:
-        args.spec = "smollm2-135m" if args.dry_run else harness.DEFAULT_RANDOM_SPEC
+        args.spec = "smollm2-135m" if args.dry_run else DEFAULT_RANDOM_SPEC
     if args.dry_run:  # tiny: the same code path in seconds on a CPU
         args.layers = args.layers or 2
         args.context = min(args.context, 256)
@@ -87,7 +107,7 @@ def _device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} CPU"
 
 
-def correctness_table(rows: list[harness.Agreement]) -> list[str]:
+def correctness_table(rows: list[Agreement]) -> list[str]:
     lines = [
         "| cache | bits | layer-0 attention rel. err | logits rel. err | top-1 agreement "
         "| limit | status |",
@@ -105,11 +125,11 @@ def correctness_table(rows: list[harness.Agreement]) -> list[str]:
     return lines
 
 
-def speed_table(rows: list[harness.ComparisonRow]) -> list[str]:
-    base = next((r for r in rows if r.cache == "dynamic"), rows[0])
+def speed_table(rows: list[ComparisonRow]) -> list[str]:
+    base = next((r for r in rows if cache_info(r.cache).family == "dynamic"), rows[0])
     lines = [
-        "| cache | bits | cache bytes | vs dynamic | peak memory | decode tok/s | speed vs dynamic "
-        "| TTFT s |",
+        f"| cache | bits | cache bytes | vs {base.cache} | peak memory | decode tok/s "
+        f"| speed vs {base.cache} | TTFT s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -122,7 +142,7 @@ def speed_table(rows: list[harness.ComparisonRow]) -> list[str]:
     return lines
 
 
-def fits_table(rows: list[harness.FitRow]) -> list[str]:
+def fits_table(rows: list[FitRow]) -> list[str]:
     def measured(value: int | None, resolution: int | None) -> str:
         if value is None:
             return "-"
@@ -157,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     for name in caches:
-        harness.cache_info(name)  # fail early on a typo
+        cache_info(name)  # fail early on a typo
     shrink: dict[str, Any] = {"num_layers": args.layers}
     if args.dry_run:
         shrink.update(vocab_size=512, intermediate_size=256)
-    model = harness.random_model(args.spec, device=device, seed=args.seed, **shrink)
+    model = random_model(args.spec, device=device, seed=args.seed, **shrink)
     dtype = next(model.parameters()).dtype
+    reference = reference_name(dtype)
+    caches = [reference, *(c for c in caches if cache_info(c).family != "dynamic")]
     dtype_bits = torch.finfo(dtype).bits
     n_params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(args.seed)
@@ -215,16 +237,15 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - reported, never hidden
                 errors.append(f"- {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
                 ok = ok and not name.startswith(("kvlib", "dynamic"))
-            harness.release_memory(device)
+            release_memory(device)
         return rows, (["", "Errors:", *errors] if errors else []), ok
 
     def correctness() -> tuple[list[str], bool]:
         tail = 32 if args.dry_run else 64
         chunk = 64 if args.dry_run else 4096
 
-        def run(name: str) -> list[harness.Agreement]:
-            rows = harness.cache_agreement(model, ids, [name], tail=tail, chunk=chunk)
-            return rows
+        def run(name: str) -> list[Agreement]:
+            return cache_agreement(model, ids, [name], tail=tail, chunk=chunk)
 
         rows, errors, ok = per_cache(run)
         ok = ok and all(r.passed is not False for r in rows if r.cache.startswith("kvlib"))
@@ -236,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return head + correctness_table(rows) + errors, ok
 
     def speed() -> tuple[list[str], bool]:
-        def run(name: str) -> list[harness.ComparisonRow]:
-            return harness.run_cache_comparison(
+        def run(name: str) -> list[ComparisonRow]:
+            return run_cache_comparison(
                 model,
                 None,
                 [name],
@@ -264,19 +285,19 @@ def main(argv: list[str] | None = None) -> int:
         return head + speed_table(rows) + errors, ok
 
     def fits() -> tuple[list[str], bool]:
-        budget = args.budget_gb * 1e9
+        budget = args.budget_gib * 2**30
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        fit_caches = [c for c in FIT_CACHES if c in caches] or caches[:1]
+        fit_caches = [reference, *(c for c in FIT_CACHES if c in caches)]
         if args.dry_run:  # no allocator to hit: an accounting budget on the same code path
             budget = weights + memory.kv_cache_bytes(
-                memory.spec_from_config(model.config), 2 * args.context, bits=dtype_bits
+                spec_from_config(model.config), 2 * args.context, bits=dtype_bits
             )
-            runner = harness.simulated_budget_runner(model, budget)
+            runner = simulated_budget_runner(model, budget)
             fit_caches = fit_caches[:: max(1, len(fit_caches) - 1)]  # first and last only
             step, how = 64, "simulated (CPU: weights + bytes really held vs budget)"
         else:
             runner, step, how = None, 1024, "torch.cuda.set_per_process_memory_fraction"
-        rows = harness.what_fits(
+        rows = what_fits(
             model,
             budget,
             fit_caches,

@@ -21,8 +21,11 @@ until the cell timeout; jupyter/nbclient#312). ``notebooks/conftest.py`` sets th
 ``audit`` counts, per notebook, the code cells nbval compares, ignores and skips, and lists
 ignored cells that hold no ``assert`` (an ignored cell must check what the text says about it).
 
-Percent format: ``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell whose lines
-are prefixed with ``# `` (the prefix is removed).
+``from-py`` / ``to-py`` convert with jupytext's percent format (``# %%`` starts a code cell,
+``# %% [markdown]`` a markdown cell whose lines are prefixed with ``# ``; IPython magics are
+commented out in the script). Outputs and execution metadata are dropped; the kernelspec travels
+in a short YAML header and cell tags (e.g. papermill's ``parameters``) on the ``# %%`` line, so
+notebook -> script -> notebook keeps every cell's type, source and tags.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import jupytext
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
@@ -184,54 +188,27 @@ def _print_audit(paths: list[Path]) -> int:
     return 1 if any(c["unchecked"] for c in report.values()) else 0
 
 
+# jupytext's percent format; the header keeps only the kernelspec (no jupytext version churn).
+PERCENT_FORMAT = "py:percent"
+SCRIPT_METADATA_FILTER = "kernelspec,-all"
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
 def from_py(src: Path, dst: Path) -> None:
     """Convert a percent-format script to a notebook (outputs empty; run ``execute`` next)."""
-    cells: list[nbformat.NotebookNode] = []
-    kind, lines = None, []
-
-    def flush() -> None:
-        if kind is None:
-            return
-        body = "\n".join(lines).strip("\n")
-        if kind == "markdown":
-            body = "\n".join(
-                ln[2:] if ln.startswith("# ") else ("" if ln.strip() == "#" else ln)
-                for ln in body.splitlines()
-            )
-            cells.append(nbformat.v4.new_markdown_cell(body))
-        elif body:
-            cells.append(nbformat.v4.new_code_cell(body))
-
-    for line in src.read_text().splitlines():
-        if line.startswith("# %%"):
-            flush()
-            kind = "markdown" if "[markdown]" in line else "code"
-            lines = []
-        elif kind is not None:
-            lines.append(line)
-    flush()
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {
-        "display_name": "Python 3",
-        "language": "python",
-        "name": "python3",
-    }
-    nb.metadata["language_info"] = {"name": "python"}
+    nb = jupytext.read(src, fmt=PERCENT_FORMAT)
+    nb.metadata.pop("jupytext", None)  # committed notebooks carry no jupytext settings
+    nb.metadata.setdefault("kernelspec", dict(KERNELSPEC))
+    nb.metadata.setdefault("language_info", {"name": "python"})
     dst.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, dst)
 
 
 def to_py(src: Path, dst: Path) -> None:
-    """Convert a notebook to percent format (outputs dropped)."""
+    """Convert a notebook to a percent-format script (outputs dropped)."""
     nb = nbformat.read(src, as_version=4)
-    parts = []
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            body = "\n".join(f"# {ln}" if ln else "#" for ln in cell.source.splitlines())
-            parts.append(f"# %% [markdown]\n{body}\n")
-        elif cell.cell_type == "code":
-            parts.append(f"# %%\n{cell.source}\n")
-    dst.write_text("\n".join(parts))
+    nb.metadata["jupytext"] = {"notebook_metadata_filter": SCRIPT_METADATA_FILTER}
+    jupytext.write(nb, dst, fmt=PERCENT_FORMAT)
 
 
 def main(argv: list[str] | None = None) -> int:

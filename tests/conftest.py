@@ -50,3 +50,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a test module (``pytestmark = pytest.mark.usefixtures(...)``): on a
+    shared 2-core machine two threads run tiny models ~6x slower (oversubscription)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, MistralConfig
 
-from kvlib import compat
-from kvlib import eval as kv_eval
+from kvlib import compat, quality
 from kvlib.cache import QuantizedKVCache, QuantizedKVLayer
-from kvlib.quant import hadamard, packed_nbytes
+from kvlib.packing import packed_nbytes
+from kvlib.quant import hadamard
 
 
 def tiny_config(layers: int = 2, kv_heads: int = 2, head_dim: int = 16) -> LlamaConfig:
@@ -75,10 +75,10 @@ def assert_same_state(a: QuantizedKVLayer, b: QuantizedKVLayer) -> None:
 
 def test_int8_argmax_agrees_with_dynamic_cache(model, eval_ids):
     # the reference: DynamicCache (full precision; chunking does not change it)
-    _, ref = kv_eval.token_logprobs(model, eval_ids, chunk_size=eval_ids.shape[1])
+    _, ref = quality.token_logprobs(model, eval_ids, chunk_size=eval_ids.shape[1])
     # chunks of 64, so every chunk reads the quantized past
     cache = QuantizedKVCache(model.config, 8)
-    _, got = kv_eval.token_logprobs(model, eval_ids, cache=cache, chunk_size=64)
+    _, got = quality.token_logprobs(model, eval_ids, cache=cache, chunk_size=64)
     assert got.shape == ref.shape == (1, 2047)
     assert cache.layers[0].n_blocks == (2047 - 4) // 128  # the past really was quantized
     agree = (got == ref).float().mean().item()
@@ -89,10 +89,10 @@ def test_int8_argmax_agrees_with_dynamic_cache(model, eval_ids):
 def test_low_bits_run_with_finite_logits(model, eval_ids, bits):
     ids = eval_ids[:, :96]
     cache = QuantizedKVCache(model.config, bits, residual_length=16)
-    lp, _ = kv_eval.token_logprobs(model, ids, cache=cache, chunk_size=32)
+    lp, _ = quality.token_logprobs(model, ids, cache=cache, chunk_size=32)
     assert torch.isfinite(lp).all()
     assert cache.layers[0].n_blocks == (96 - 1 - 4) // 16
-    ref, _ = kv_eval.token_logprobs(model, ids, chunk_size=96)
+    ref, _ = quality.token_logprobs(model, ids, chunk_size=96)
     ppl, ppl_ref = math.exp(-lp.mean().item()), math.exp(-ref.mean().item())
     assert ppl < ppl_ref * (1.05 if bits >= 4 else 1.6)
     assert cache.compression_ratio() > 1.0
@@ -123,10 +123,10 @@ def test_beam_search_reorders(model, eval_ids):
 def test_batch_equals_rows_in_the_model(model, eval_ids):
     rows = torch.cat([eval_ids[:, :80], eval_ids[:, 400:480]])
     cache = QuantizedKVCache(model.config, 4, residual_length=16)
-    batch_lp, batch_am = kv_eval.token_logprobs(model, rows, cache=cache, chunk_size=32)
+    batch_lp, batch_am = quality.token_logprobs(model, rows, cache=cache, chunk_size=32)
     for i in range(2):
         c = QuantizedKVCache(model.config, 4, residual_length=16)
-        lp, am = kv_eval.token_logprobs(model, rows[i : i + 1], cache=c, chunk_size=32)
+        lp, am = quality.token_logprobs(model, rows[i : i + 1], cache=c, chunk_size=32)
         # batched matmuls may differ in the last float bits, which can move a code by one step
         assert (am[0] == batch_am[i]).float().mean() >= 0.98
         torch.testing.assert_close(lp[0], batch_lp[i], atol=0.05, rtol=0)
@@ -135,11 +135,11 @@ def test_batch_equals_rows_in_the_model(model, eval_ids):
 def test_reset_and_reuse(model, eval_ids):
     ids = eval_ids[:, :80]
     cache = QuantizedKVCache(model.config, 4, residual_length=16)
-    first = kv_eval.perplexity(model, ids, cache=cache, chunk_size=32)
+    first = quality.perplexity(model, ids, cache=cache, chunk_size=32)
     assert cache.get_seq_length() == 79 and cache.nbytes() > 0
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0 and cache.fp16_nbytes() == 0
-    again = kv_eval.perplexity(model, ids, cache=cache, chunk_size=32)
+    again = quality.perplexity(model, ids, cache=cache, chunk_size=32)
     assert again == pytest.approx(first, rel=1e-6)
 
 

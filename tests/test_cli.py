@@ -3,20 +3,42 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from kvlib.cli import main, parse_size
+from kvlib.cli import gpu_memory_gib, main, parse_memory, parse_size
 
 
 def test_parse_size():
     assert parse_size("32k") == 32768 and parse_size("128K") == 131072
     assert parse_size("1m") == 1 << 20 and parse_size("4096") == 4096
-    for bad in ("0", "-5", "abc", "1.0001k", ""):
+    for bad in ("0", "-5", "abc", "1.0001k", "", "80GB"):  # memory is not a token count
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_parse_memory_is_gib_with_or_without_gb():
+    """A bare number is GiB; "GB" is read as GiB too, as GPUs and RAM are labelled."""
+    assert parse_memory("24") == parse_memory("24GB") == parse_memory("24 GiB") == 24.0
+    assert parse_memory("13.5g") == 13.5 and parse_memory("0") == 0.0
+    for bad in ("-1", "abc", "80TB", "80 MB", "nan", "inf", "", "GB"):
+        with pytest.raises(ValueError):
+            parse_memory(bad)
+
+
+def test_gpu_names_and_gpu_memory_give_the_same_gib(capsys):
+    assert gpu_memory_gib("H100") == gpu_memory_gib("h100 80gb") == 80.0
+    assert gpu_memory_gib("rtx_4090") == 24.0
+    argv = ["plan", "--model", "llama-3.1-8b", "--context", "32k", "--concurrency", "4", "--json"]
+    outs = []
+    for where in (["--gpu", "H100"], ["--gpu-memory", "80"], ["--gpu-memory", "80GB"]):
+        assert main([*argv, *where]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0] == outs[1] == outs[2]
+    assert outs[0]["gpu_memory_gb"] == 80 and outs[0]["budget"]["device_bytes"] == 80 * 2**30
 
 
 def test_memory_table(capsys):
@@ -38,6 +60,7 @@ def test_plan_text_and_json(capsys):
     assert main([*argv, "--concurrency", "16"]) == 0
     out = capsys.readouterr().out
     assert "vllm serve" in out and "--cache-type-k" in out
+    assert "on 1 × 24 GiB GPU" in out and not re.search(r"\bGB\b", out)  # one unit: GiB
     assert main([*argv, "--concurrency", "4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["kv"] == "int4" and d["vllm"]["max_model_len"] == 32768
@@ -66,6 +89,26 @@ def test_models(capsys):
             ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "-3", "--context", "8k"],
             2,
             "--gpu-memory",
+        ),
+        (
+            ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "1TB", "--context", "8k"],
+            2,
+            "invalid memory",
+        ),
+        (
+            [
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--gpu",
+                "T4",
+                "--context",
+                "8k",
+                "--num-gpus",
+                "0",
+            ],
+            2,
+            "--num-gpus",
         ),
         (
             ["memory", "--model", "llama-3.1-8b", "--context", "8k", "--bits", "5"],
@@ -106,27 +149,21 @@ def test_console_script_declared():
     assert getattr(importlib.import_module(module), func) is main
 
 
-def test_plan_cites_measurements_file(tmp_path, capsys, monkeypatch):
+def test_plan_cites_a_results_file(tmp_path, capsys, monkeypatch):
     path = tmp_path / "m.json"
-    path.write_text(
-        json.dumps(
-            {
-                "model": "TinyTest-1M",
-                "date": "2031-01-02",
-                "caches": {"kvlib-int4": {"perplexity_delta_pct": 2.25}},
-            }
-        )
-    )
+    run = {"source": "bench", "command": "bench", "machine": "test", "model": "TinyTest-1M"}
+    run |= {"date": "2031-01-02", "rows": {"kvlib-int4": {"perplexity_delta_pct": 2.25}}}
+    path.write_text(json.dumps({"schema_version": 1, "runs": {"cache": run}}))
     argv = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24", "--context", "32k"]
     argv += ["--concurrency", "4"]
-    assert main([*argv, "--measurements", str(path)]) == 0
+    assert main([*argv, "--results", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "int4: +2.25 % perplexity on TinyTest-1M, measured 2031-01-02" in out
-    monkeypatch.setenv("KVLIB_MEASUREMENTS", str(path))
+    assert "int4 (kvlib-int4): +2.25 % perplexity on TinyTest-1M, measured 2031-01-02" in out
+    monkeypatch.setenv("KVLIB_RESULTS", str(path))
     assert main([*argv, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert any("+2.25 %" in r for r in d["reasons"]) and d["buys"].startswith("int4 fits")
-    assert main([*argv, "--measurements", str(tmp_path / "nope.json")]) == 1
+    assert main([*argv, "--results", str(tmp_path / "nope.json")]) == 1
     err = capsys.readouterr().err
     assert "does not exist" in err and len(err.strip().splitlines()) == 1
 
@@ -136,6 +173,6 @@ def test_impossible_plan_says_what_would_fit(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "status: impossible" in out and "vllm serve" not in out
-    # 4-bit weights alone (35 GB) do not fit one 24 GB card; with two cards they do
+    # 4-bit weights alone (32.9 GiB) do not fit one 24 GiB card; with two cards they do
     assert "would fit: weight_bits=4" not in out
     assert "would fit: num_gpus=2 with weight_bits=4" in out

@@ -124,7 +124,7 @@ def test_quiet_silences_the_gguf_converters_own_progress_bar() -> None:
     """The first load converts the GGUF with tqdm.auto, which a notebook shows on stdout."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    from kvlib.models import quiet
+    from kvlib.device import quiet
 
     original = gguf_utils.tqdm
     with quiet():

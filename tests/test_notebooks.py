@@ -174,3 +174,67 @@ def test_a_cell_past_the_timeout_fails_loudly_and_is_named(tmp_path: Path) -> No
     assert not ok and seconds < 25
     assert message.startswith("cell 2 ('import time')"), message
     assert "timed out" in message.lower() or "timeout" in message.lower(), message
+
+
+def _cells(nb: nbformat.NotebookNode) -> list[tuple[str, str, list[str]]]:
+    return [(c.cell_type, c.source, list(c.metadata.get("tags", []))) for c in nb.cells]
+
+
+def test_percent_script_round_trip_keeps_cells(tmp_path: Path) -> None:
+    """notebook -> py:percent -> notebook keeps every cell's type, source and tags."""
+    code, md = nbformat.v4.new_code_cell, nbformat.v4.new_markdown_cell
+    executed = code("x = 1\nprint(x)", execution_count=1)
+    executed.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    tagged = code("steps = 8", metadata={"tags": ["parameters"]})
+    src = _write_notebook(
+        tmp_path / "00_src.ipynb",
+        [
+            md("# Title\n\nA paragraph, then a list:\n- one\n- two"),
+            code('if "google.colab" in sys.modules:\n    %pip install kvlib'),
+            executed,
+            tagged,
+            md("## Summary\n\n```python\nx = 1\n```"),
+            code("# NBVAL_IGNORE_OUTPUT\nassert x == 1"),
+        ],
+    )
+    script, back = tmp_path / "src.py", tmp_path / "back" / "00_back.ipynb"
+    nb_script = _nb_script()
+    assert nb_script.main(["to-py", str(src), str(script)]) == 0
+    text = script.read_text()
+    assert "# %% [markdown]\n# # Title\n#\n# A paragraph" in text
+    assert '# %% tags=["parameters"]\nsteps = 8' in text
+    assert "jupytext_version" not in text  # no tool-version churn in the script
+    assert nb_script.main(["from-py", str(script), str(back)]) == 0
+    original, result = nbformat.read(src, as_version=4), nbformat.read(back, as_version=4)
+    nbformat.validate(result)
+    assert _cells(result) == _cells(original)
+    assert result.metadata["kernelspec"]["name"] == "python3" and "jupytext" not in result.metadata
+    for cell in result.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None
+
+
+def test_from_py_reads_a_hand_written_script(tmp_path: Path) -> None:
+    script = tmp_path / "new.py"
+    script.write_text(
+        "# %% [markdown]\n# # 09 · A new notebook\n#\n# Text.\n\n# %%\nimport kvlib\n\n"
+        "# %%\n# %pip install x\nkvlib.seed_everything(0)\n"
+    )
+    out = tmp_path / "09_new.ipynb"
+    _nb_script().from_py(script, out)
+    nb = nbformat.read(out, as_version=4)
+    assert _cells(nb) == [
+        ("markdown", "# 09 · A new notebook\n\nText.", []),
+        ("code", "import kvlib", []),
+        ("code", "%pip install x\nkvlib.seed_everything(0)", []),
+    ]
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_notebooks_survive_the_percent_round_trip(path: Path, tmp_path: Path) -> None:
+    nb_script = _nb_script()
+    nb_script.to_py(path, tmp_path / "nb.py")
+    nb_script.from_py(tmp_path / "nb.py", tmp_path / path.name)
+    result = nbformat.read(tmp_path / path.name, as_version=4)
+    assert _cells(result) == _cells(nbformat.read(path, as_version=4))

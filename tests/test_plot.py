@@ -1,4 +1,5 @@
-"""Tests for kvlib.plot (drawn on the Agg backend, nothing shown)."""
+"""Tests for kvlib.plot (drawn on the Agg backend, nothing shown): every plot helper the
+notebooks use, from the trade-off scatter to the paging maps of notebook 06."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from kvlib import plot  # noqa: E402
+from kvlib.blocks import BlockAllocator  # noqa: E402
+from kvlib.serving import make_trace, simulate_serving  # noqa: E402
 
 
 def test_tradeoff_accepts_mapping_and_rows_and_groups():
@@ -52,3 +55,50 @@ def test_interactive_without_ipywidgets(monkeypatch) -> None:
     monkeypatch.delenv(plot.HEADLESS_ENV_VAR, raising=False)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import fails
     assert plot.interactive() is False
+
+
+def test_series_lines() -> None:
+    ax = plot.series_lines({"a": ([1, 2], [3, 4]), "b": ([1, 2], [5, 6])}, bytes_y=True, logx=True)
+    assert [line.get_label() for line in ax.get_lines()] == ["a", "b"]
+    with pytest.raises(ValueError, match="x values"):
+        plot.series_lines({"a": ([1, 2], [3])})
+    with pytest.raises(ValueError, match="at least one"):
+        plot.series_lines({})
+    plt.close("all")
+
+
+# --- paging helpers for notebook 06 -----------------------------------------------------------
+
+
+def test_reservation_map() -> None:
+    ax = plot.reservation_map([(3, 8), (8, 8), (0, 4)], block_size=4)
+    img = ax.images[0].get_array()
+    assert img.shape == (3, 8) and img[0].tolist() == [2, 2, 2, 1, 1, 1, 1, 1]
+    assert img[2].tolist() == [1] * 4 + [0] * 4
+    assert "45.0 %" in ax.get_title()  # 11 of 20 reserved slots hold a token: 9 unused
+    with pytest.raises(ValueError, match="used <= reserved"):
+        plot.reservation_map([(5, 4)])
+    plt.close("all")
+
+
+def test_block_map_shows_shared_blocks() -> None:
+    a = BlockAllocator(6, 4)
+    a.allocate("p", 6)
+    a.fork("p", "c")
+    a.append_slots("c", 1)
+    ax = plot.block_map(a, ncols=3)
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == ["c\n3/4", "p\n2/4", "p+c\n4/4"]
+    assert ax.get_title() == "3/6 blocks used, 9/12 slots filled"
+    plt.close("all")
+
+
+def test_serving_panels() -> None:
+    trace = make_trace(20, seed=0)
+    stats = {p: simulate_serving(trace, 2**28, p) for p in ("contiguous-max", "paged")}
+    axes = plot.serving_panels(stats)
+    assert len(axes[1].lines) == 2 and len(axes[2].lines) == 2
+    assert axes[2].lines[1].get_ydata()[-1] == 20
+    with pytest.raises(ValueError, match="at least one"):
+        plot.serving_panels({})
+    plt.close("all")

@@ -4,6 +4,8 @@
   cached (possibly quantized) past. With one big prefill a quantized cache is never read — the
   whole text attends to its own full-precision keys and values — and every method looks
   lossless.
+- :func:`continuation_perplexity` scores a continuation from a cache that already holds the
+  prefix (a restored conversation, e.g. a cache decoded by :mod:`kvlib.kvtc`; notebook 05).
 - :func:`generation_benchmark` times greedy decoding with a given cache: median decode
   tokens/s (prompt excluded), time to first token, bytes held by the cache, after a warm-up,
   with ``time.perf_counter`` (and ``torch.cuda.synchronize`` plus peak memory on a GPU).
@@ -21,14 +23,7 @@ from typing import Any
 import torch
 
 from kvlib import compat
-
-
-def _check_positive_int(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (got {type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum} (got {value})")
-    return value
+from kvlib.validate import check_int
 
 
 def _check_token_ids(model: Any, input_ids: Any, min_len: int = 2) -> torch.Tensor:
@@ -74,24 +69,41 @@ def _check_fresh_cache(cache: Any) -> None:
 
 @torch.inference_mode()
 def token_logprobs(
-    model: Any, input_ids: torch.Tensor, cache: Any = None, chunk_size: int = 64
+    model: Any,
+    input_ids: torch.Tensor,
+    cache: Any = None,
+    chunk_size: int = 64,
+    *,
+    prefilled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced next-token log-probabilities and argmax predictions, chunk by chunk.
 
     Args:
         input_ids: (batch, seq_len) token ids.
-        cache: a fresh transformers Cache, or ``None`` for a fresh DynamicCache.
+        cache: a fresh transformers Cache, or ``None`` for a fresh DynamicCache; with
+            ``prefilled`` a Cache that already holds a prefix.
         chunk_size: tokens fed per forward pass; every chunk attends to the cached past.
+        prefilled: ``input_ids`` continue the text held in ``cache``: positions follow the
+            cached ones and every prediction reads the prefix (see
+            :func:`continuation_perplexity`).
 
     Returns:
         ``(logprobs, argmax)``, both (batch, seq_len - 1): the log-probability the model gave
-        to token ``t + 1`` and its most likely token, at every position ``t``.
+        to token ``t + 1`` and its most likely token, at every position ``t``. The last token
+        is only a target, so the cache grows by ``seq_len - 1`` tokens.
     """
     input_ids = _check_token_ids(model, input_ids)
-    chunk_size = _check_positive_int(chunk_size, "chunk_size")
-    if cache is None:
-        cache = compat.dynamic_cache(model.config)
-    _check_fresh_cache(cache)
+    chunk_size = check_int(chunk_size, "chunk_size", minimum=1)
+    if prefilled:
+        if not hasattr(cache, "get_seq_length") or not hasattr(cache, "update"):
+            raise TypeError(
+                "cache must be a transformers Cache holding the prefix (e.g. from "
+                f"kvlib.compat.prefill_cache or a decoded cache) (got {type(cache).__name__})"
+            )
+    else:
+        if cache is None:
+            cache = compat.dynamic_cache(model.config)
+        _check_fresh_cache(cache)
     input_ids = input_ids.to(model.device)
     seq_len = input_ids.shape[1]
     logprobs, argmax = [], []
@@ -126,6 +138,29 @@ def perplexity(
             than 2 tokens, ``chunk_size`` < 1, or a cache that already holds tokens.
     """
     logprobs, _ = token_logprobs(model, input_ids, cache=cache, chunk_size=chunk_size)
+    return math.exp(-logprobs.double().mean().item())
+
+
+def continuation_perplexity(
+    model: Any, cache: Any, next_ids: torch.Tensor, chunk_size: int = 64
+) -> float:
+    """Perplexity of a continuation given a prefilled cache, feeding it in chunks.
+
+    The cache holds the prefix; ``next_ids`` ``(batch, n)`` is fed ``chunk_size`` tokens at a
+    time through :func:`token_logprobs` (``prefilled=True``), every step reading the cache,
+    which grows by ``n - 1`` tokens: pass :func:`kvlib.compat.clone_cache` to keep the
+    original. The tokens scored are ``next_ids[:, 1:]`` — each predicted from everything before
+    it, so every prediction reads the prefix cache. (:func:`perplexity` scores a text from
+    scratch; this one starts from a cache, which is what a restored conversation is.)
+
+    Returns:
+        ``exp(mean negative log-likelihood)`` over the ``batch · (n - 1)`` scored tokens.
+
+    Raises:
+        TypeError / ValueError: ``cache`` is not a transformers Cache, ``next_ids`` are not
+            token ids of this model, ``n < 2``, or ``chunk_size < 1``.
+    """
+    logprobs, _ = token_logprobs(model, next_ids, cache, chunk_size, prefilled=True)
     return math.exp(-logprobs.double().mean().item())
 
 
@@ -198,14 +233,21 @@ def generation_benchmark(
     ``new_tokens - 1`` more tokens one at a time. A short untimed run first warms up kernels
     and allocators.
 
+    Timing is ``time.perf_counter`` with ``torch.cuda.synchronize`` around each phase, not
+    ``torch.utils.benchmark.Timer`` (which the benchmarks use for stateless calls): one run
+    yields two figures from one cache (the prefill's time to first token, then the decode
+    steps that read what it wrote), each repeat needs a fresh cache, and the run's tokens and
+    cache bytes are part of the result; Timer times one statement a number of times it picks
+    itself, and its warm-up would be a whole extra full-length generation.
+
     Returns:
         a :class:`GenerationBenchmark`: median decode tokens/s (the ``new_tokens - 1`` decode
         steps only, prompt excluded), median time to first token, bytes the cache holds at the
         end, and on CUDA the peak allocated memory.
     """
-    prompt_tokens = _check_positive_int(prompt_tokens, "prompt_tokens")
-    new_tokens = _check_positive_int(new_tokens, "new_tokens", minimum=2)
-    repeats = _check_positive_int(repeats, "repeats")
+    prompt_tokens = check_int(prompt_tokens, "prompt_tokens", minimum=1)
+    new_tokens = check_int(new_tokens, "new_tokens", minimum=2)
+    repeats = check_int(repeats, "repeats", minimum=1)
     if not callable(cache_factory):
         raise TypeError(
             f"cache_factory must be a callable returning a fresh cache (got {cache_factory!r})"

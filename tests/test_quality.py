@@ -1,4 +1,4 @@
-"""kvlib.eval and kvlib.compat: chunked perplexity, generation benchmark, bad input."""
+"""kvlib.quality and kvlib.compat: chunked perplexity, generation benchmark, bad input."""
 
 from __future__ import annotations
 
@@ -8,48 +8,83 @@ import warnings
 import pytest
 import torch
 
-from kvlib import compat
-from kvlib import eval as kv_eval
+from kvlib import compat, quality
 
 
 def test_chunked_perplexity_matches_one_shot(model, eval_ids):
     ids = eval_ids[:, :256]
-    chunked = kv_eval.perplexity(model, ids, chunk_size=64)
-    one_shot = kv_eval.perplexity(model, ids, chunk_size=256)
+    chunked = quality.perplexity(model, ids, chunk_size=64)
+    one_shot = quality.perplexity(model, ids, chunk_size=256)
     assert 1.0 < chunked < 100.0
     assert chunked == pytest.approx(one_shot, rel=1e-4)
 
 
 def test_perplexity_batch_and_1d(model, eval_ids):
     ids = eval_ids[:, :96]
-    single = kv_eval.perplexity(model, ids[0], chunk_size=32)
-    batch = kv_eval.perplexity(model, ids.repeat(2, 1), chunk_size=32)
+    single = quality.perplexity(model, ids[0], chunk_size=32)
+    batch = quality.perplexity(model, ids.repeat(2, 1), chunk_size=32)
     assert batch == pytest.approx(single, rel=1e-4)
 
 
 def test_perplexity_bad_input(model, eval_ids):
     with pytest.raises(TypeError, match="torch.Tensor"):
-        kv_eval.perplexity(model, [1, 2, 3])
+        quality.perplexity(model, [1, 2, 3])
     with pytest.raises(TypeError, match="integer token ids"):
-        kv_eval.perplexity(model, eval_ids[:, :8].float())
+        quality.perplexity(model, eval_ids[:, :8].float())
     with pytest.raises(ValueError, match="at least 2 tokens"):
-        kv_eval.perplexity(model, eval_ids[:, :1])
-    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
-        kv_eval.perplexity(model, eval_ids[:, :8], chunk_size=0)
+        quality.perplexity(model, eval_ids[:, :1])
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+        quality.perplexity(model, eval_ids[:, :8], chunk_size=0)
     with pytest.raises(ValueError, match=r"must lie in \[0, "):
-        kv_eval.perplexity(model, torch.full((1, 4), 10**7))
+        quality.perplexity(model, torch.full((1, 4), 10**7))
     cache = compat.dynamic_cache(model.config)
     compat.forward(model, eval_ids[:, :4], cache)
     with pytest.raises(ValueError, match="already holds 4 tokens"):
-        kv_eval.perplexity(model, eval_ids[:, :8], cache=cache)
+        quality.perplexity(model, eval_ids[:, :8], cache=cache)
     with pytest.raises(TypeError, match="transformers Cache"):
-        kv_eval.perplexity(model, eval_ids[:, :8], cache=object())
+        quality.perplexity(model, eval_ids[:, :8], cache=object())
+
+
+def _continuation_perplexity_reference(model, cache, next_ids, chunk_size):
+    """continuation_perplexity as kvlib.pca had it, with its own loop: every token fed (the
+    last chunk's final logits unused), cross-entropy summed per chunk."""
+    nll, count, prev = torch.zeros((), dtype=torch.float64), 0, None
+    for start in range(0, next_ids.shape[1], chunk_size):
+        chunk = next_ids[:, start : start + chunk_size]
+        logits = compat.forward(model, chunk, cache).logits.float()
+        if prev is not None:
+            logits_all, targets = torch.cat([prev, logits[:, :-1]], dim=1), chunk
+        else:
+            logits_all, targets = logits[:, :-1], chunk[:, 1:]
+        if targets.numel():
+            nll += torch.nn.functional.cross_entropy(
+                logits_all.reshape(-1, logits_all.shape[-1]), targets.reshape(-1), reduction="sum"
+            ).double()
+            count += targets.numel()
+        prev = logits[:, -1:]
+    return float(torch.exp(nll / count))
+
+
+@pytest.mark.parametrize("chunk_size", [64, 24])
+def test_continuation_perplexity_matches_its_own_loop(model, eval_ids, chunk_size):
+    prefix, nxt = eval_ids[:, :200], eval_ids[:, 200:264]
+    cache = compat.prefill_cache(model, prefix)
+    ref = _continuation_perplexity_reference(model, compat.clone_cache(cache), nxt, chunk_size)
+    got = quality.continuation_perplexity(model, cache, nxt, chunk_size)
+    assert got == pytest.approx(ref, rel=1e-5)
+    assert cache.get_seq_length() == 200 + 64 - 1  # the last token is only a target
+    # the prefix is really read: scored from scratch, the same tokens come out worse
+    assert quality.perplexity(model, nxt, chunk_size=chunk_size) > 1.05 * got
+    with pytest.raises(TypeError, match="transformers Cache"):
+        quality.continuation_perplexity(model, None, nxt)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        quality.continuation_perplexity(model, compat.clone_cache(cache), nxt[:, :1])
 
 
 def test_generation_benchmark_and_no_deprecation_warning(model, tokenizer, eval_ids):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        result = kv_eval.generation_benchmark(
+        result = quality.generation_benchmark(
             model,
             tokenizer,
             lambda: compat.dynamic_cache(model.config),

@@ -1,0 +1,571 @@
+"""The planner's decision rule, in numbers: which KV-cache setting, engine and extras fit a request.
+
+Introduced in notebook 08. :func:`kvlib.plan.recommend` validates a request, calls :func:`decide`
+here and has :mod:`kvlib.plan_text` put the decision into words and :mod:`kvlib.plan_engines`
+into engine settings. Nothing here writes prose; every function is a pure function of numbers.
+The byte math is :mod:`kvlib.memory`'s; this module only scales, shards and counts. The rules,
+in order:
+
+1. **Budget per device** (per GPU under tensor parallelism), :func:`memory_budget`. Memory is
+   counted in GiB (2³⁰ bytes), the unit an "80 GB" GPU, nvidia-smi and vLLM mean::
+
+       usable   = memory × (1 − headroom)          headroom: 10 % on a GPU (vLLM's default
+                                                    gpu_memory_utilization=0.9), 25 % of RAM on CPU
+       weights  = num_params × weight_bits / 8 / tensor_parallel_size
+       overhead = runtime + activations            runtime: 1 GiB per GPU (CUDA context, kernel
+                                                    workspaces, allocator slack), 0.5 GiB on CPU;
+                                                    activations: one 2048-token prefill chunk ×
+                                                    hidden size × 16 live fp16 values per token
+       KV budget = usable − weights − overhead
+
+2. **KV per sequence** at the requested context, :func:`kv_sequence_bytes`: the cache one GPU
+   holds (:func:`gpu_share`: each of ``tp`` GPUs holds ``ceil(kv_heads / tp)`` of the KV heads,
+   at least one, so heads are replicated when tp > kv_heads; an MLA latent is replicated on every
+   GPU), sized by :func:`kvlib.memory.kv_cache_bytes` (sliding windows and MLA included) at each
+   setting's *effective* bits per element — the codes plus their metadata: fp16 16, int8 8.5,
+   int4 4.5, int2 2.5 (one fp16 scale and one fp16 zero point per group of 64 = +0.5 bit, the same
+   as llama.cpp's q8_0/q4_0).
+
+3. **Setting**, :func:`choose_setting`: the highest-precision setting, among those the
+   ``quality`` level allows, whose cache for ``concurrency`` sequences at the full context fits
+   the KV budget: ``"max"`` fp16 only; ``"balanced"`` fp16 → int8 → int4; ``"aggressive"`` … →
+   int2. If none fits all sequences, the lowest allowed setting and the number of sequences it
+   does fit (status ``"reduced"``); if not even one sequence fits, or the weights alone do not,
+   status ``"impossible"``, and :func:`fallbacks` finds what would fit (fewer tokens, the next
+   quality level, lower weight bits, more GPUs, or both, or how much memory).
+
+4. **Engine and extras**, :func:`choose_engine` and :func:`idle_storage`: more than one sequence
+   or more than one GPU → a serving engine with paging (vLLM: continuous batching,
+   PagedAttention, tensor parallelism); CPU → llama.cpp; one sequence on one GPU → transformers.
+   Eight or more concurrent conversations → also store idle conversations compressed (PCA
+   transform coding, :mod:`kvlib.kvtc`) rather than holding their fp16 cache or recomputing it.
+
+The plan is worst-case: every sequence at the full context at once. Real traffic is shorter, and
+a paged engine admits more sequences than this count; the count is what is *guaranteed*.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvlib import memory
+from kvlib.memory import GIB
+from kvlib.specs import ModelSpec
+
+__all__ = [
+    "ACTIVATION_VALUES_PER_HIDDEN",
+    "DEVICES",
+    "HEADROOM_FRACTION",
+    "IDLE_STORAGE_MIN_SESSIONS",
+    "KV_SETTINGS",
+    "PREFILL_CHUNK_TOKENS",
+    "QUALITIES",
+    "QUALITY_LADDER",
+    "RUNTIME_OVERHEAD_BYTES",
+    "TP_CANDIDATES",
+    "VLLM_BLOCK_SIZE",
+    "WEIGHT_BITS",
+    "Decision",
+    "Fallbacks",
+    "KVSetting",
+    "MemoryBudget",
+    "Storage",
+    "choose_engine",
+    "choose_setting",
+    "context_that_fits",
+    "decide",
+    "fallbacks",
+    "gpu_share",
+    "idle_storage",
+    "kv_sequence_bytes",
+    "memory_budget",
+    "sequences_that_fit",
+    "storage",
+    "valid_tp",
+]
+
+QUALITIES = ("max", "balanced", "aggressive")
+WEIGHT_BITS = (16, 8, 4)
+DEVICES = ("gpu", "cpu")
+
+#: Fraction of memory never planned for (vLLM's default ``gpu_memory_utilization`` is 0.9).
+HEADROOM_FRACTION = {"gpu": 0.10, "cpu": 0.25}
+#: Fixed runtime allowance per device: CUDA context, kernel workspaces, allocator slack.
+RUNTIME_OVERHEAD_BYTES = {"gpu": 1 * GIB, "cpu": GIB // 2}
+#: Activations: one prefill chunk of this many tokens ...
+PREFILL_CHUNK_TOKENS = 2048
+#: ... times hidden size times this many live fp16 values per token (residual, norm, q/k/v,
+#: attention output, and the MLP's gate/up/activation at ~3.5× hidden — one layer at a time).
+ACTIVATION_VALUES_PER_HIDDEN = 16
+#: Conversations at or above this count get the idle-storage (PCA) recommendation.
+IDLE_STORAGE_MIN_SESSIONS = 8
+#: vLLM's default block size on CUDA (tokens per KV block).
+VLLM_BLOCK_SIZE = 16
+#: Candidate tensor-parallel sizes when a plan looks for "how many GPUs would fit".
+TP_CANDIDATES = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class KVSetting:
+    """One KV-cache precision and how each engine stores it.
+
+    Bytes come from :func:`kvlib.memory.kv_cache_bytes` with ``(bits, group_size)``: group-wise
+    integer codes keep one fp16 scale and one fp16 zero point per group of 64 values (+0.5 bit
+    per value) — the same size as llama.cpp's q8_0 / q4_0 (one fp16 scale per 32 values).
+    vLLM's fp8 cache has one scale per tensor (no per-group metadata).
+    """
+
+    name: str
+    bits: int
+    group_size: int | None
+    cache_name: str
+    vllm_dtype: str
+    llama_cpp_type: str
+    llama_cpp_bits: int
+    description: str
+
+    @property
+    def effective_bits(self) -> float:
+        """Bits per cached value including the per-group scale and zero point."""
+        return self.bits + (32 / self.group_size if self.group_size else 0)
+
+    @property
+    def vllm_bits(self) -> int:
+        return 16 if self.vllm_dtype == "auto" else 8
+
+
+KV_SETTINGS: dict[str, KVSetting] = {
+    "fp16": KVSetting(
+        "fp16", 16, None, "dynamic-fp16", "auto", "f16", 16, "full precision (fp16/bf16)"
+    ),
+    "int8": KVSetting("int8", 8, 64, "kvlib-int8", "fp8", "q8_0", 8, "8-bit (int8 / fp8 / q8_0)"),
+    "int4": KVSetting(
+        "int4",
+        4,
+        64,
+        "kvlib-int4",
+        "fp8",
+        "q4_0",
+        4,
+        "4-bit, keys per channel, values per token (KIVI recipe)",
+    ),
+    "int2": KVSetting(
+        "int2",
+        2,
+        64,
+        "kvlib-int2",
+        "fp8",
+        "q4_0",
+        4,
+        "2-bit, keys per channel, values per token (KIVI recipe)",
+    ),
+}
+
+#: Which settings each quality level may use, highest precision first.
+QUALITY_LADDER: dict[str, tuple[str, ...]] = {
+    "max": ("fp16",),
+    "balanced": ("fp16", "int8", "int4"),
+    "aggressive": ("fp16", "int8", "int4", "int2"),
+}
+
+#: How a cache is stored: ``(bits, group_size)``, as :func:`kvlib.memory.kv_cache_bytes` takes it.
+Storage = tuple[int, int | None]
+
+
+def storage(setting: str) -> Storage:
+    """``(bits, group_size)`` of a :data:`KV_SETTINGS` name: ``storage("int4") == (4, 64)``."""
+    s = KV_SETTINGS[setting]
+    return (s.bits, s.group_size)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. the budget
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Where one device's memory goes (bytes, per GPU under tensor parallelism).
+
+    ``kv_budget_bytes`` may be negative: the weights and overhead alone do not fit.
+    """
+
+    device_bytes: int
+    headroom_bytes: int
+    weights_bytes: int
+    overhead_bytes: int
+    kv_budget_bytes: int
+    tensor_parallel_size: int = 1
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.device_bytes - self.headroom_bytes
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(label, bytes) rows in the order they are subtracted, for tables."""
+        return [
+            ("device memory", self.device_bytes),
+            ("headroom", self.headroom_bytes),
+            ("weights", self.weights_bytes),
+            ("runtime + activations", self.overhead_bytes),
+            ("left for the KV cache", self.kv_budget_bytes),
+        ]
+
+
+def _weights_bytes(spec: ModelSpec, weight_bits: int) -> int:
+    if spec.num_params is None:
+        raise ValueError(
+            f"{spec.name or 'custom model'} has no parameter count: the weights' size is needed "
+            "to plan memory — pass spec_from_config(config, num_params=...) or a ModelSpec with "
+            "num_params"
+        )
+    return spec.weights_bytes(weight_bits)
+
+
+def memory_budget(
+    spec: ModelSpec, device: str, gpu_memory_gib: float, weight_bits: int, tp: int = 1
+) -> MemoryBudget:
+    """Rule 1: one device's memory (``gpu_memory_gib`` GiB) less headroom, this device's share of
+    the weights (``1 / tp`` of them) and runtime + activations; the rest is the KV budget.
+
+    Raises:
+        ValueError: ``spec`` has no ``num_params``.
+    """
+    device_bytes = int(gpu_memory_gib * GIB)
+    headroom = int(device_bytes * HEADROOM_FRACTION[device])
+    weights = math.ceil(_weights_bytes(spec, weight_bits) / tp)
+    hidden = int(spec.hidden_size or spec.num_heads * spec.head_dim)
+    activations = PREFILL_CHUNK_TOKENS * hidden * ACTIVATION_VALUES_PER_HIDDEN * 2
+    overhead = RUNTIME_OVERHEAD_BYTES[device] + activations
+    return MemoryBudget(
+        device_bytes=device_bytes,
+        headroom_bytes=headroom,
+        weights_bytes=weights,
+        overhead_bytes=overhead,
+        kv_budget_bytes=device_bytes - headroom - weights - overhead,
+        tensor_parallel_size=tp,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 2. the cache of one sequence, and what fits (kvlib.memory's byte math on one GPU's share)
+
+
+def valid_tp(spec: ModelSpec, tp: int) -> bool:
+    """Tensor parallelism splits the attention heads evenly: ``tp`` must divide them."""
+    return spec.num_heads % tp == 0
+
+
+def gpu_share(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The part of the cache one of ``tp`` GPUs holds, as a spec of its own.
+
+    ``ceil(num_kv_heads / tp)`` KV heads (at least one: heads are replicated when
+    ``tp > num_kv_heads``); an MLA latent is not split (every GPU holds all of it). Only the
+    cache's shape changes; ``num_params`` is the whole model's.
+    """
+    if tp <= 1 or spec.is_mla:
+        return spec
+    kv_heads = -(-spec.num_kv_heads // tp)
+    return dataclasses.replace(
+        spec,
+        name=f"{spec.name} (1/{tp} of the KV heads)",
+        num_heads=kv_heads * (spec.num_heads // spec.num_kv_heads),
+        num_kv_heads=kv_heads,
+    )
+
+
+def kv_sequence_bytes(spec: ModelSpec, context_len: int, store: Storage, tp: int = 1) -> int:
+    """Rule 2: bytes one sequence of ``context_len`` tokens keeps on each GPU, stored as
+    ``store = (bits, group_size)``."""
+    bits, group = store
+    return memory.kv_cache_bytes(gpu_share(spec, tp), context_len, 1, bits, group_size=group)
+
+
+def _as_memory(share: ModelSpec, kv_budget: int) -> int:
+    """Memory that leaves exactly ``kv_budget`` bytes for the cache next to 16-bit weights.
+
+    :func:`kvlib.memory.max_batch` / :func:`~kvlib.memory.max_context` size a cache next to the
+    weights; the plan's budget has its weights (this GPU's share) subtracted already, so they
+    are added back here and subtracted there.
+    """
+    return kv_budget + _weights_bytes(share, 16)
+
+
+def sequences_that_fit(
+    spec: ModelSpec, kv_budget: int, context_len: int, store: Storage, tp: int = 1
+) -> int:
+    """Sequences of ``context_len`` tokens whose caches fit ``kv_budget`` bytes on each GPU
+    (:func:`kvlib.memory.max_batch`); 0 when the budget is not positive."""
+    if kv_budget <= 0:
+        return 0
+    share = gpu_share(spec, tp)
+    bits, group = store
+    return memory.max_batch(
+        share, _as_memory(share, kv_budget), context_len, bits, 16, group_size=group
+    )
+
+
+def context_that_fits(
+    spec: ModelSpec, kv_budget: int, concurrency: int, store: Storage, tp: int = 1
+) -> int:
+    """Longest context (tokens) at which ``concurrency`` sequences fit ``kv_budget`` bytes on
+    each GPU (:func:`kvlib.memory.max_context`): 0 when not one token fits,
+    :data:`kvlib.memory.UNBOUNDED` when every layer slides and the full windows fit."""
+    if kv_budget <= 0:
+        return 0
+    share = gpu_share(spec, tp)
+    bits, group = store
+    return memory.max_context(
+        share, _as_memory(share, kv_budget), concurrency, bits, 16, group_size=group
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 3. and 4. the setting, the engine, idle storage
+
+
+def choose_setting(
+    fits: Mapping[str, int], quality: str, concurrency: int
+) -> tuple[str | None, str]:
+    """Rule 3: ``(setting, status)`` from the sequences each setting fits at the full context.
+
+    The highest precision the ``quality`` level allows that fits ``concurrency`` sequences →
+    ``"ok"``; else the lowest allowed if it fits one → ``"reduced"``; else ``(None,
+    "impossible")``.
+    """
+    ladder = QUALITY_LADDER[quality]
+    for name in ladder:
+        if fits[name] >= concurrency:
+            return name, "ok"
+    if fits[ladder[-1]] >= 1:
+        return ladder[-1], "reduced"
+    return None, "impossible"
+
+
+def choose_engine(device: str, concurrency: int, tp: int) -> str:
+    """Rule 4: ``"llama.cpp"`` on CPU, ``"vllm"`` for several sequences or GPUs, else
+    ``"transformers"``."""
+    if device == "cpu":
+        return "llama.cpp"
+    if concurrency > 1 or tp > 1:
+        return "vllm"
+    return "transformers"
+
+
+def idle_storage(concurrency: int, kv: str | None) -> str | None:
+    """Rule 4: ``"pca"`` (compressed idle conversations) from :data:`IDLE_STORAGE_MIN_SESSIONS`
+    conversations on, when the request fits at all; else None."""
+    return "pca" if concurrency >= IDLE_STORAGE_MIN_SESSIONS and kv else None
+
+
+# --------------------------------------------------------------------------------------------
+# the decision
+
+
+def _fits(spec: ModelSpec, budget: MemoryBudget, context_len: int, tp: int) -> dict[str, int]:
+    kv_budget = budget.kv_budget_bytes
+    return {
+        name: sequences_that_fit(spec, kv_budget, context_len, storage(name), tp)
+        for name in KV_SETTINGS
+    }
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the rule decided for one request, in numbers (words: :mod:`kvlib.plan_text`).
+
+    The request (``model`` … ``weight_bits``) and the decision: ``status`` is ``"ok"`` (all
+    ``concurrency`` sequences fit at the full context), ``"reduced"`` (fewer fit:
+    ``max_concurrency``) or ``"impossible"`` (not one sequence fits; ``kv`` is None). Byte
+    figures are per device (per GPU under tensor parallelism); ``max_*`` figures are at the
+    chosen setting (at the lowest allowed one for ``kv_bytes_per_sequence`` when none is chosen),
+    ``*_fp16`` at fp16 for comparison. ``gpu_memory_gb`` is in GiB, as GPUs are labelled (an
+    "80 GB" H100 holds 80 GiB). ``sequences_by_setting``: sequences each of :data:`KV_SETTINGS`
+    fits at the full context.
+    """
+
+    model: str
+    spec: ModelSpec
+    device: str
+    gpu_memory_gb: float
+    num_gpus: int
+    context_len: int
+    concurrency: int
+    quality: str
+    weight_bits: int
+    status: str
+    kv: str | None
+    engine: str
+    paging: bool
+    idle_storage: str | None
+    tensor_parallel_size: int
+    budget: MemoryBudget
+    kv_bytes_per_sequence: int
+    kv_bytes_per_sequence_fp16: int
+    max_concurrency: int
+    max_concurrency_fp16: int
+    max_context: int
+    max_context_fp16: int
+    sequences_by_setting: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        """True when every requested sequence fits at the full context."""
+        return self.status == "ok"
+
+    @property
+    def setting(self) -> KVSetting | None:
+        return KV_SETTINGS[self.kv] if self.kv else None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the plan provisions for: the request, or what fits when reduced."""
+        return min(self.concurrency, self.max_concurrency)
+
+    @property
+    def lowest_setting(self) -> str:
+        """The lowest-precision setting the quality level allows."""
+        return QUALITY_LADDER[self.quality][-1]
+
+
+def decide(
+    spec: ModelSpec,
+    gpu_memory_gb: float,
+    context_len: int,
+    concurrency: int = 1,
+    quality: str = "balanced",
+    weight_bits: int = 16,
+    num_gpus: int = 1,
+    *,
+    device: str = "gpu",
+    model: str | None = None,
+) -> Decision:
+    """Rules 1–4 for a request that is already valid (:func:`kvlib.plan.recommend` checks it).
+
+    ``gpu_memory_gb`` is GiB per device; ``num_gpus`` is the tensor-parallel size; ``model`` is
+    the name to show (default: the spec's).
+    """
+    tp = num_gpus
+    budget = memory_budget(spec, device, gpu_memory_gb, weight_bits, tp)
+    fits = _fits(spec, budget, context_len, tp)
+    kv, status = choose_setting(fits, quality, concurrency)
+    shown = kv or QUALITY_LADDER[quality][-1]
+    kv_budget = budget.kv_budget_bytes
+    engine = choose_engine(device, concurrency, tp)
+    return Decision(
+        model=model if model is not None else (spec.name or "custom model"),
+        spec=spec,
+        device=device,
+        gpu_memory_gb=gpu_memory_gb,
+        num_gpus=num_gpus,
+        context_len=context_len,
+        concurrency=concurrency,
+        quality=quality,
+        weight_bits=weight_bits,
+        status=status,
+        kv=kv,
+        engine=engine,
+        paging=engine == "vllm",
+        idle_storage=idle_storage(concurrency, kv),
+        tensor_parallel_size=tp,
+        budget=budget,
+        kv_bytes_per_sequence=kv_sequence_bytes(spec, context_len, storage(shown), tp),
+        kv_bytes_per_sequence_fp16=kv_sequence_bytes(spec, context_len, storage("fp16"), tp),
+        max_concurrency=fits[shown] if kv else 0,
+        max_concurrency_fp16=fits["fp16"],
+        max_context=context_that_fits(spec, kv_budget, concurrency, storage(shown), tp)
+        if kv
+        else 0,
+        max_context_fp16=context_that_fits(spec, kv_budget, concurrency, storage("fp16"), tp),
+        sequences_by_setting=fits,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# what would fit, when the request does not
+
+
+@dataclass(frozen=True)
+class Fallbacks:
+    """What would fit a request that does not (status ``"reduced"`` or ``"impossible"``).
+
+    Each change is tried alone, keeping the rest of the request; a field is None when that change
+    does not make the whole request fit (or was not tried). ``(value, setting)`` pairs name the
+    setting the changed request would get.
+
+    Attributes:
+        context_len: the longest context at which all ``concurrency`` sequences fit at the lowest
+            allowed setting (0: none).
+        quality: the next quality level, when it fits the whole request.
+        weight_bits: the highest lower weight precision that fits the whole request.
+        num_gpus: the fewest GPUs of :data:`TP_CANDIDATES` (more than now) that fit; only tried
+            on a GPU with memory.
+        num_gpus_and_weight_bits: ``(num_gpus, weight_bits, setting)``: the fewest GPUs that fit
+            with lower-bit weights; only tried when lower weight bits alone do not fit.
+        memory_gib: device memory (GiB) the whole request needs at the lowest allowed setting.
+    """
+
+    context_len: int
+    quality: tuple[str, str] | None = None
+    weight_bits: tuple[int, str] | None = None
+    num_gpus: tuple[int, str] | None = None
+    num_gpus_and_weight_bits: tuple[int, int, str] | None = None
+    memory_gib: float = 0.0
+
+
+def _whole_request_with(
+    d: Decision,
+    *,
+    quality: str | None = None,
+    weight_bits: int | None = None,
+    tp: int | None = None,
+) -> str | None:
+    """The setting the request of ``d`` gets with one or two of its values changed, if all of
+    it then fits; else None."""
+    tp = tp or d.tensor_parallel_size
+    budget = memory_budget(d.spec, d.device, d.gpu_memory_gb, weight_bits or d.weight_bits, tp)
+    fits = _fits(d.spec, budget, d.context_len, tp)
+    kv, status = choose_setting(fits, quality or d.quality, d.concurrency)
+    return kv if status == "ok" else None
+
+
+def fallbacks(d: Decision) -> Fallbacks:
+    """What would fit the request of ``d``: a shorter context, the next quality level, lower
+    weight bits, more GPUs, both, or more memory (see :class:`Fallbacks`)."""
+    lowest = d.lowest_setting
+    tp = d.tensor_parallel_size
+    by_quality = by_bits = by_gpus = by_both = None
+    if d.quality != QUALITIES[-1]:
+        nxt = QUALITIES[QUALITIES.index(d.quality) + 1]
+        kv = _whole_request_with(d, quality=nxt)
+        by_quality = (nxt, kv) if kv else None
+    lower_bits = [b for b in WEIGHT_BITS if b < d.weight_bits]
+    for wb in lower_bits:
+        if kv := _whole_request_with(d, weight_bits=wb):
+            by_bits = (wb, kv)
+            break
+    if d.device == "gpu" and d.gpu_memory_gb > 0:
+        more_gpus = [n for n in TP_CANDIDATES if n > tp and valid_tp(d.spec, n)]
+        for n in more_gpus:
+            if kv := _whole_request_with(d, tp=n):
+                by_gpus = (n, kv)
+                break
+        both = [(n, wb) for n in more_gpus for wb in reversed(lower_bits)] if not by_bits else []
+        for n, wb in both:
+            if kv := _whole_request_with(d, tp=n, weight_bits=wb):
+                by_both = (n, wb, kv)
+                break
+    per_seq = kv_sequence_bytes(d.spec, d.context_len, storage(lowest), tp)
+    need = d.budget.weights_bytes + d.budget.overhead_bytes + per_seq * d.concurrency
+    return Fallbacks(
+        context_len=context_that_fits(
+            d.spec, d.budget.kv_budget_bytes, d.concurrency, storage(lowest), tp
+        ),
+        quality=by_quality,
+        weight_bits=by_bits,
+        num_gpus=by_gpus,
+        num_gpus_and_weight_bits=by_both,
+        memory_gib=need / (1 - HEADROOM_FRACTION[d.device]) / GIB,
+    )

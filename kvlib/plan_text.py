@@ -1,0 +1,347 @@
+"""The planner's decision in words: reasons, what to watch, what would fit, and a summary.
+
+Introduced in notebook 08. :func:`kvlib.plan.recommend` builds a :class:`~kvlib.plan.Plan` from
+a :class:`~kvlib.plan_rule.Decision` (the numbers) and these sentences. Reasons cite the
+project's measured perplexity cost and byte ratio of the chosen setting and say "not measured"
+where a figure is missing; no number is invented. Library code never prints: the CLI and the
+notebooks print :func:`summary`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kvlib import memory
+from kvlib import results as kvresults
+from kvlib.plan_rule import (
+    KV_SETTINGS,
+    QUALITY_LADDER,
+    TP_CANDIDATES,
+    VLLM_BLOCK_SIZE,
+    Decision,
+    Fallbacks,
+)
+
+__all__ = [
+    "buys",
+    "fmt_tokens",
+    "quality_note",
+    "results_to_cite",
+    "reasons",
+    "suggestions",
+    "summary",
+    "watch",
+]
+
+
+def results_to_cite(
+    results: Mapping[str, Any] | str | os.PathLike[str] | None,
+) -> dict[str, Any]:
+    """The measured results a plan cites: a mapping as given (``{}`` cites none), a path read as
+    a results file, None for :func:`kvlib.results.load_results` (``$KVLIB_RESULTS``, else the
+    package's own ``kvlib/results.json``).
+
+    Raises:
+        TypeError: anything else.
+        ValueError: a named file does not exist or is not a results file.
+    """
+    if results is None or isinstance(results, (str, os.PathLike)):
+        return kvresults.load_results(results)
+    if not isinstance(results, Mapping):
+        raise TypeError(
+            "results must be a mapping, a path to a JSON file or None "
+            f"(got {type(results).__name__})"
+        )
+    return dict(results)
+
+
+def _fmt_pct(x: float) -> str:
+    return f"{x:+.3g} %"
+
+
+def quality_note(setting: str, results: Mapping[str, Any]) -> str:
+    """One line: the measured cost of a KV setting (its :data:`KV_SETTINGS` cache, by registry
+    name, in the cache benchmark's run) or of ``"pca"`` storage (the cross-layer rows of the PCA
+    run), or that it is not measured. Never invents a number.
+
+    Raises:
+        ValueError: an unknown setting.
+    """
+    if setting == "pca":
+        run = kvresults.run("pca", results)
+        rows = [
+            r
+            for name, r in run.get("rows", {}).items()
+            if name.startswith("PCA cross-layer") and isinstance(r, Mapping)
+        ]
+        ratios = [r["x_smaller_than_fp16"] for r in rows if "x_smaller_than_fp16" in r]
+        deltas = [r["perplexity_delta_pct"] for r in rows if "perplexity_delta_pct" in r]
+        if not ratios or not deltas:
+            return "pca: storage figures not measured yet (benchmarks/bench_pca.py)"
+        return (
+            f"pca: {min(ratios):.3g}–{max(ratios):.3g}× smaller than fp16 at "
+            f"{_fmt_pct(min(deltas))} … {_fmt_pct(max(deltas))} perplexity "
+            f"{kvresults.provenance(run)}"
+        )
+    if setting not in KV_SETTINGS:
+        raise ValueError(
+            f"setting must be one of {', '.join([*KV_SETTINGS, 'pca'])} (got {setting!r})"
+        )
+    name = KV_SETTINGS[setting].cache_name
+    cost = kvresults.cache_cost(name, results)
+    run = kvresults.run("cache", results)
+    if setting == "fp16" and "perplexity" not in cost:
+        return "fp16: the reference precision, no quantization error"
+    parts = []
+    if "perplexity_delta_pct" in cost:
+        parts.append(f"{_fmt_pct(cost['perplexity_delta_pct'])} perplexity")
+    if "perplexity_delta_pct_mean" in cost:
+        parts.append(f"{_fmt_pct(cost['perplexity_delta_pct_mean'])} on average over segments")
+    if "x_smaller_than_fp16" in cost:
+        parts.append(f"{cost['x_smaller_than_fp16']:.3g}× smaller than fp16")
+    if not parts:
+        return f"{setting}: quality cost not measured yet (benchmarks/bench_cache.py)"
+    return f"{setting} ({name}): {', '.join(parts)} {kvresults.provenance(run)}"
+
+
+def fmt_tokens(n: int) -> str:
+    """A token count with thousands separators, or ``"unbounded"``."""
+    return "unbounded" if n >= memory.UNBOUNDED else f"{n:,}"
+
+
+def _per(d: Decision) -> str:
+    return " per GPU" if d.tensor_parallel_size > 1 else ""
+
+
+def _why_setting(d: Decision) -> list[str]:
+    """Why this setting (or why none): the budget against the bytes the request needs."""
+    h = memory.human_bytes
+    b, per = d.budget, _per(d)
+    fits = d.sequences_by_setting
+    if b.kv_budget_bytes <= 0:
+        return [
+            f"the weights ({h(b.weights_bytes)}{per} at {d.weight_bits} bits) plus runtime "
+            f"and activations ({h(b.overhead_bytes)}) exceed the usable "
+            f"{h(b.usable_bytes)}{per}: nothing is left for the KV cache"
+        ]
+    if d.kv is None:
+        return [
+            f"one sequence of {d.context_len:,} tokens needs {h(d.kv_bytes_per_sequence)}{per} "
+            f"even at {d.lowest_setting}, but only {h(b.kv_budget_bytes)} is left for the KV cache"
+        ]
+    need = h(d.concurrency * d.kv_bytes_per_sequence_fp16)
+    if d.kv == "fp16":
+        return [
+            f"{d.concurrency} × {d.context_len:,} tokens at fp16 need {need}{per}, within the "
+            f"{h(b.kv_budget_bytes)} left for the KV cache: no need to quantize"
+        ]
+    ladder = QUALITY_LADDER[d.quality]
+    higher = ladder[: ladder.index(d.kv)]
+    return [
+        f"{d.concurrency} × {d.context_len:,} tokens need {need}{per} at fp16 but only "
+        f"{h(b.kv_budget_bytes)} is left; "
+        + ", ".join(f"{n} fits {fits[n]}" for n in higher)
+        + f"; {d.kv} fits {fits[d.kv]}"
+    ]
+
+
+def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
+    """The measured cost of the chosen setting (and of its rotated variant, when measured)."""
+    if d.kv is None:
+        return []
+    out = [quality_note(d.kv, results)]
+    if d.kv in ("int4", "int2"):
+        rot = kvresults.cache_cost(f"kvlib-{d.kv}-rot", results)
+        if "perplexity_delta_pct" in rot:
+            out.append(
+                f"{d.kv} with a Hadamard rotation (kvlib-{d.kv}-rot): "
+                f"{_fmt_pct(rot['perplexity_delta_pct'])} perplexity "
+                + kvresults.provenance(kvresults.run("cache", results))
+            )
+    return out
+
+
+def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
+    """Why this engine, and idle storage (no engine advice for a request that does not fit)."""
+    if d.kv is None:
+        return []
+    tp = d.tensor_parallel_size
+    if d.engine == "vllm":
+        out = [
+            "several sequences or GPUs: a serving engine (vLLM) with paged KV blocks of "
+            f"{VLLM_BLOCK_SIZE} tokens wastes under 4 % of the cache instead of reserving "
+            "max-length buffers, batches continuously"
+            + (f", and splits the model over {tp} GPUs (tensor parallelism)" if tp > 1 else "")
+        ]
+    elif d.engine == "llama.cpp":
+        out = ["CPU: llama.cpp (GGUF weights, quantized KV cache types, flash attention)"]
+    else:
+        out = ["one sequence on one GPU: transformers generate() with the cache below"]
+    if d.idle_storage:
+        out.append(
+            f"{d.concurrency} conversations: between turns, keep idle caches compressed with PCA "
+            "transform coding (kvlib.kvtc) instead of fp16 or recomputing — "
+            + quality_note("pca", results)
+        )
+    return out
+
+
+def reasons(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
+    """Why the plan chose what it chose: the budget against the need, the measured cost, the
+    shortfall when reduced, the engine and idle storage."""
+    out = _why_setting(d) + _why_measured(d, results)
+    if d.status == "reduced":
+        out.append(
+            f"even at {d.lowest_setting} (the lowest that quality={d.quality!r} allows) only "
+            f"{d.sequences_by_setting[d.lowest_setting]} of {d.concurrency} sequences fit at "
+            "the full context"
+        )
+    return tuple(out + _why_engine(d, results))
+
+
+def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
+    """What to watch with this plan: quality of low-bit caches, engine limits, replicated heads,
+    contexts past the model's training, low-bit weights, worst-case counting."""
+    out: list[str] = []
+    spec, tp = d.spec, d.tensor_parallel_size
+    if d.kv == "int4":
+        out.append(
+            "4-bit keys need per-channel statistics (outlier channels); check quality on your own "
+            "model and task — the measured figure is from a small model"
+        )
+    if d.kv == "int2":
+        delta = kvresults.cache_cost("kvlib-int2", results).get("perplexity_delta_pct")
+        out.append(
+            "2-bit caches lose noticeable quality"
+            + (f" (measured {_fmt_pct(delta)} perplexity)" if delta is not None else "")
+            + "; keep recent tokens in full precision and evaluate before serving"
+        )
+    if d.kv in ("int4", "int2"):
+        out.append(
+            f"vLLM has no {d.kv} KV cache: its flags use fp8 (recounted); llama.cpp's lowest is q4_0"
+        )
+    if spec.num_sliding_layers > 0 and d.kv not in (None, "fp16"):
+        out.append(
+            "sliding-window layers: transformers' QuantizedCache refuses this model; use vLLM or "
+            "kvlib's cache"
+        )
+    if spec.is_mla and tp > 1:
+        out.append(
+            "MLA latent cache is replicated on every GPU under tensor parallelism (vLLM); "
+            "data-parallel attention avoids that"
+        )
+    if tp > spec.num_kv_heads and not spec.is_mla:
+        out.append(f"tensor parallel {tp} > {spec.num_kv_heads} KV heads: KV heads are replicated")
+    max_pos = spec.max_position_embeddings
+    if max_pos and d.context_len > max_pos:
+        out.append(
+            f"context {d.context_len:,} exceeds the model's trained {max_pos:,} tokens: quality "
+            "is not guaranteed (vLLM refuses max_model_len beyond it without an override)"
+        )
+    if d.weight_bits < 16:
+        out.append(
+            f"{d.weight_bits}-bit weights cost quality of their own (use a pre-quantized "
+            "checkpoint: "
+            + ("FP8" if d.weight_bits == 8 else "AWQ/GPTQ for vLLM, Q4_K_M GGUF for llama.cpp")
+            + ")"
+        )
+    if d.paging:
+        out.append(
+            "the count assumes every sequence at full context; with shorter real conversations a "
+            "paged engine admits more — measure your length distribution"
+        )
+    return tuple(out)
+
+
+def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
+    """What would fit a request that does not (``()`` when it does), from :func:`fallbacks
+    <kvlib.plan_rule.fallbacks>`."""
+    if d.fits:
+        return ()
+    lowest, n = d.lowest_setting, d.concurrency
+    out: list[str] = []
+    if d.kv is not None:
+        out.append(
+            f"{d.sequences_by_setting[lowest]} concurrent sequences at {d.context_len:,} tokens "
+            f"with {lowest}"
+        )
+    if fb.context_len > 0:
+        out.append(f"{n} sequences at up to {fb.context_len:,} tokens with {lowest}")
+    if fb.quality:
+        out.append(f"quality={fb.quality[0]!r}: the whole request with {fb.quality[1]}")
+    if fb.weight_bits:
+        out.append(f"weight_bits={fb.weight_bits[0]}: the whole request with {fb.weight_bits[1]}")
+    if d.device == "gpu" and d.gpu_memory_gb > 0:
+        if fb.num_gpus:
+            g, kv = fb.num_gpus
+            out.append(f"num_gpus={g} (vLLM tensor_parallel_size={g}): the whole request with {kv}")
+        else:
+            out.append(
+                f"more than {TP_CANDIDATES[-1]} GPUs: pipeline parallelism across nodes "
+                "(vLLM pipeline_parallel_size), or a smaller model"
+            )
+        if fb.num_gpus_and_weight_bits:
+            g, wb, kv = fb.num_gpus_and_weight_bits
+            out.append(f"num_gpus={g} with weight_bits={wb}: the whole request with {kv}")
+    tp = d.tensor_parallel_size
+    what = f"{tp} GPUs of" if tp > 1 else ("RAM of" if d.device == "cpu" else "a GPU with")
+    out.append(f"{what} at least {fb.memory_gib:.3g} GiB: the whole request with {lowest}")
+    return tuple(out)
+
+
+def buys(d: Decision) -> str:
+    """One line: what the chosen setting buys against fp16 (sequences, or context)."""
+    if d.kv is None:
+        return "nothing yet: not one sequence fits (see suggestions)"
+    ctx, ctx16 = fmt_tokens(d.max_context), fmt_tokens(d.max_context_fp16)
+    if d.kv == "fp16":
+        return (
+            f"fp16 needs no trade: {d.max_concurrency} sequences fit at "
+            f"{d.context_len:,} tokens, or {d.concurrency} at up to {ctx} tokens"
+        )
+    n, n16 = d.max_concurrency, d.max_concurrency_fp16
+    gain = f"{n / n16:.3g}× as many" if n16 else "where fp16 fits none"
+    return (
+        f"{d.kv} fits {n} sequences at {d.context_len:,} tokens against {n16} at fp16 "
+        f"({gain}), or {d.concurrency} at up to {ctx} tokens against {ctx16}"
+    )
+
+
+def summary(
+    d: Decision,
+    reasons: tuple[str, ...] = (),
+    watch: tuple[str, ...] = (),
+    suggestions: tuple[str, ...] = (),
+) -> str:
+    """A few lines of plain text: the request, the decision, the budget, what it buys, and the
+    reasons, watch-outs and suggestions given."""
+    h = memory.human_bytes
+    lines = [
+        f"{d.model} on {d.num_gpus} × {d.gpu_memory_gb:g} GiB {d.device.upper()}"
+        f", context {d.context_len:,}, {d.concurrency} concurrent, quality "
+        f"{d.quality}, {d.weight_bits}-bit weights",
+        f"status: {d.status}"
+        + (f" ({d.max_concurrency} of {d.concurrency} fit)" if d.status == "reduced" else ""),
+    ]
+    if d.kv:
+        lines.append(
+            f"KV cache: {d.kv} — {KV_SETTINGS[d.kv].description}; engine {d.engine}"
+            + (", paged" if d.paging else "")
+            + (", idle conversations stored with PCA" if d.idle_storage else "")
+            + (f", tensor parallel {d.tensor_parallel_size}" if d.tensor_parallel_size > 1 else "")
+        )
+    lines.append("budget per device: " + ", ".join(f"{k} {h(v)}" for k, v in d.budget.rows()))
+    if d.kv:
+        lines.append(
+            f"KV per sequence: {h(d.kv_bytes_per_sequence)} "
+            f"(fp16 {h(d.kv_bytes_per_sequence_fp16)}); sequences at full context: "
+            f"{d.max_concurrency} (fp16 {d.max_concurrency_fp16}); max context for "
+            f"{d.concurrency}: {fmt_tokens(d.max_context)} (fp16 {fmt_tokens(d.max_context_fp16)})"
+        )
+    lines.append(f"buys: {buys(d)}")
+    lines += [f"why: {r}" for r in reasons]
+    lines += [f"watch: {w}" for w in watch]
+    lines += [f"would fit: {s}" for s in suggestions]
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""The project's measured results: one versioned JSON file, shipped with the package.
+
+Every benchmark writes what it measured to ``kvlib/results.json`` with :func:`record_run`; the
+planner (:mod:`kvlib.plan`), notebook 08 and the CLI read it with :func:`load_results`. Because
+it is package data, it works the same after ``pip install`` and on Colab as in a checkout.
+``benchmarks/RESULTS.md`` keeps the prose and the tables for people; nothing parses it (a test
+checks that every figure its tables quote is in the JSON).
+
+Layout (schema version :data:`SCHEMA_VERSION`)::
+
+    {"schema_version": 1,
+     "runs": {"cache": {"source": "benchmarks/bench_cache.py", "command": "...",
+                        "date": "2026-12-03", "machine": "...", "model": "SmolLM2-135M",
+                        "settings": {...},
+                        "rows": {"kvlib-int4": {"perplexity_delta_pct": 0.247, ...}, ...},
+                        ...},
+              "pca": {...}, "paged": {...}, "quant": {...}, ...}}
+
+A run holds one command's output. Its ``rows`` (and any other groups of rows) map a row name to
+its figures; cache rows are keyed by :mod:`kvlib.cache_registry` names, so one name goes from the
+benchmark to the notebook and the CLI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "RESULTS_ENV",
+    "RUN_FIELDS",
+    "SCHEMA_VERSION",
+    "cache_cost",
+    "cache_costs",
+    "load_results",
+    "provenance",
+    "record_run",
+    "results_path",
+    "run",
+]
+
+#: Version of the file's layout; :func:`load_results` refuses any other.
+SCHEMA_VERSION = 1
+
+#: Environment variable naming a results file to read instead of the package's own.
+RESULTS_ENV = "KVLIB_RESULTS"
+
+#: Fields every run must carry: where the numbers come from.
+RUN_FIELDS: tuple[str, ...] = ("source", "command", "date", "machine")
+
+#: Figures :func:`cache_cost` returns, when the run holds them.
+_COST_FIELDS = (
+    "perplexity",
+    "perplexity_delta_pct",
+    "perplexity_delta_pct_mean",
+    "x_smaller_than_fp16",
+    "x_smaller_than_fp16_at_4096",
+)
+
+
+def results_path() -> Path:
+    """The package's own results file (``kvlib/results.json``)."""
+    return Path(str(resources.files("kvlib").joinpath("results.json")))
+
+
+def _validate(data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
+        raise ValueError(f"{where} must be a JSON object with a 'runs' mapping")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(
+            f"{where} has schema_version {version!r}; this kvlib reads {SCHEMA_VERSION}"
+        )
+    for name, entry in data["runs"].items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: run {name!r} must be an object")
+        missing = [f for f in RUN_FIELDS if not isinstance(entry.get(f), str)]
+        if missing:
+            raise ValueError(f"{where}: run {name!r} lacks {', '.join(missing)}")
+    return data
+
+
+def load_results(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The measured results: from ``path``, else ``$KVLIB_RESULTS``, else the package's file.
+
+    Raises:
+        ValueError: the file does not exist, is not JSON, or is not schema
+            :data:`SCHEMA_VERSION` with the provenance fields (:data:`RUN_FIELDS`) on every run.
+    """
+    if path is None and os.environ.get(RESULTS_ENV):
+        path = os.environ[RESULTS_ENV]
+    file = results_path() if path is None else Path(path)
+    if not file.is_file():
+        raise ValueError(f"results file {str(file)!r} does not exist")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"results file {file.name} is not valid JSON: {exc}") from exc
+    return _validate(data, f"results file {file.name}")
+
+
+def _results(results: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return load_results() if results is None else results
+
+
+def run(name: str, results: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+    """One run by name (``"cache"``, ``"pca"``, ``"paged"``, ``"quant"``, …); ``{}`` if absent."""
+    if not isinstance(name, str):
+        raise TypeError(f"run name must be a str (got {type(name).__name__})")
+    runs = _results(results).get("runs", {})
+    entry = runs.get(name, {}) if isinstance(runs, Mapping) else {}
+    return entry if isinstance(entry, Mapping) else {}
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
+def cache_cost(name: str, results: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """The measured figures of one cache (a :mod:`kvlib.cache_registry` name) from the cache
+    benchmark: ``perplexity``, ``perplexity_delta_pct`` (vs the reference DynamicCache on the
+    protocol segment), ``perplexity_delta_pct_mean`` (over segments, where measured),
+    ``x_smaller_than_fp16`` (fp16 bytes / the cache's bytes on the evaluated text) and
+    ``x_smaller_than_fp16_at_4096``. Only what was measured: ``{}`` for a cache the run does
+    not hold. (Row names are registry names, checked by the tests; this module does not import
+    the registry, so that ``kvlib plan`` stays free of torch and transformers.)
+
+    Raises:
+        TypeError: ``name`` is not a string.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"cache name must be a str (got {type(name).__name__})")
+    rows = run("cache", results).get("rows", {})
+    entry = rows.get(name) if isinstance(rows, Mapping) else None
+    if not isinstance(entry, Mapping):
+        return {}
+    out = {}
+    for field in _COST_FIELDS:
+        value = _number(entry.get(field))
+        if value is not None:
+            out[field] = value
+    return out
+
+
+def cache_costs(results: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
+    """:func:`cache_cost` of every cache the cache benchmark measured, in its order."""
+    results = _results(results)
+    rows = run("cache", results).get("rows", {})
+    return {name: cache_cost(name, results) for name in rows} if isinstance(rows, Mapping) else {}
+
+
+def provenance(entry: Mapping[str, Any]) -> str:
+    """``"on <model>, measured <date> by <source>"`` for a run (without ``on …`` when the run
+    names no model, e.g. kernels timed on a tensor)."""
+    where = f"on {entry['model']}, " if entry.get("model") else ""
+    return f"{where}measured {entry.get('date', '?')} by {entry.get('source', '?')}"
+
+
+def record_run(
+    name: str,
+    entry: Mapping[str, Any],
+    path: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write one run into a results file (default: the package's), replacing the run of that
+    name and keeping the others. ``date`` defaults to today (UTC).
+
+    Args:
+        name: the run's name (``"cache"``, ``"pca"``, …).
+        entry: the run: :data:`RUN_FIELDS` plus its settings and rows (JSON-serialisable).
+        path: the file to update; created with an empty ``runs`` mapping if absent.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: a provenance field is missing or a value is not JSON-serialisable
+            (NaN and infinities are written as ``null``).
+    """
+    file = results_path() if path is None else Path(path)
+    if file.is_file():
+        data = _validate(json.loads(file.read_text(encoding="utf-8")), str(file))
+    else:
+        data = {"schema_version": SCHEMA_VERSION, "runs": {}}
+    entry = {"date": datetime.datetime.now(datetime.UTC).date().isoformat(), **entry}
+    _validate({"schema_version": SCHEMA_VERSION, "runs": {name: entry}}, "the new run")
+    data["runs"][name] = _finite(entry)
+    try:
+        text = json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"run {name!r} is not JSON-serialisable: {exc}") from exc
+    file.write_text(text + "\n", encoding="utf-8")
+    return file
+
+
+def _finite(x: Any) -> Any:
+    """``x`` with NaN and infinities replaced by ``None`` (JSON ``null``: not measured)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, Mapping):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x

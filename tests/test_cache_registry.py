@@ -1,0 +1,143 @@
+"""kvlib.cache_registry: one name per cache, defaults read from the classes."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+from kvlib import cache_registry
+from kvlib.model_choice import random_config
+
+REFERENCES = {
+    "dynamic-fp32": torch.float32,
+    "dynamic-fp16": torch.float16,
+    "dynamic-bf16": torch.bfloat16,
+}
+
+
+@pytest.fixture(scope="module")
+def config():
+    """A 2-layer config with SmolLM2-135M's attention shapes (no weights needed)."""
+    return random_config("smollm2-135m", num_layers=2, vocab_size=512, intermediate_size=256)
+
+
+def test_cache_info_parses_every_name():
+    for name in cache_registry.CACHE_NAMES:
+        info = cache_registry.cache_info(name)
+        assert info.name == name and info.family in cache_registry.FAMILIES
+        if info.family == "dynamic":
+            assert info.group_size is None and info.residual_tokens == 0
+            dtype = REFERENCES[name]
+            assert cache_registry.reference_name(dtype) == name
+            assert info.bits == torch.finfo(dtype).bits
+            assert info.cache_bits(info.bits) == info.bits
+            with pytest.raises(ValueError, match="reference_name"):
+                info.cache_bits(8)
+        else:
+            bits = re.search(r"(?:int|fp)(\d)", name)
+            assert bits and info.bits == int(bits.group(1)) == info.cache_bits(32)
+            if info.family != "fp8":
+                assert info.group_size and info.residual_tokens > 0
+
+
+@pytest.mark.parametrize("bad", ["kvlib-int5", "Dynamic", "dynamic", ""])
+def test_cache_info_rejects_unknown(bad):
+    with pytest.raises(ValueError, match="accepted"):
+        cache_registry.cache_info(bad)
+
+
+@pytest.mark.parametrize("bad", [4, None])
+def test_cache_info_rejects_non_strings(bad):
+    with pytest.raises(TypeError, match="str"):
+        cache_registry.cache_info(bad)
+
+
+def test_factories_make_fresh_caches(config):
+    ref = cache_registry.cache_factory(cache_registry.reference_name(torch.float32), config)
+    a, b = ref(), ref()
+    assert a is not b and a.get_seq_length() == 0
+    assert type(a).__name__ == "DynamicCache"
+    q = cache_registry.make_cache("quanto-int4", config)
+    assert type(q).__name__ == "QuantizedCache" and q.get_seq_length() == 0
+    with pytest.raises(ValueError, match="no options"):
+        cache_registry.cache_factory("dynamic-fp32", config, bits=4)
+
+
+def test_kvlib_factories(config):
+    from kvlib.cache import QuantizedKVCache
+
+    for bits in (8, 4, 2):
+        cache = cache_registry.make_cache(f"kvlib-int{bits}", config)
+        assert isinstance(cache, QuantizedKVCache) and cache.get_seq_length() == 0
+
+
+def test_defaults_are_read_from_the_classes():
+    """The entries follow the classes' defaults: a changed default changes the registry."""
+    from transformers.cache_utils import QuantizedLayer
+
+    from kvlib import cache as kvcache
+
+    init = inspect.signature(kvcache.QuantizedKVCache.__init__).parameters
+    window = init["residual_length"].default + init["sink_tokens"].default
+    for bits in (8, 4, 3, 2):
+        info = cache_registry.cache_info(f"kvlib-int{bits}")
+        keys = kvcache.default_key_group_size(bits, init["residual_length"].default)
+        assert info.residual_tokens == window
+        assert info.group_size == min(keys, kvcache.DEFAULT_VALUE_GROUP_CHANNELS)
+    hf = inspect.signature(QuantizedLayer.__init__).parameters
+    for name in ("quanto-int4", "hqq-int2-axis1"):
+        info = cache_registry.cache_info(name)
+        assert info.group_size == hf["q_group_size"].default
+        assert info.residual_tokens == hf["residual_length"].default
+
+
+def test_variants_build_the_cache_their_name_says(config):
+    rot = cache_registry.make_cache("kvlib-int4-rot", config)
+    norot = cache_registry.make_cache("kvlib-int2-norot", config)
+    block = cache_registry.make_cache("kvlib-int4-block", config)
+    assert rot.rotate is True and norot.rotate is False
+    assert block.key_group_size == 128 and block.group_size == 32 and block.rotate is False
+    # an explicit option overrides the variant's own
+    assert cache_registry.make_cache("kvlib-int4-rot", config, rotate=False).rotate is False
+    axis1 = cache_registry.make_cache("hqq-int4-axis1", config)
+    assert type(axis1).__name__ == "QuantizedCache"
+    with pytest.raises(ValueError, match="no options"):
+        cache_registry.cache_factory("hf-fp8", config, nbits=4)
+
+
+def test_check_names():
+    assert cache_registry.check_names(("kvlib-int4", "dynamic-fp32")) == [
+        "kvlib-int4",
+        "dynamic-fp32",
+    ]
+    with pytest.raises(TypeError, match="non-empty list"):
+        cache_registry.check_names("kvlib-int4")
+    with pytest.raises(TypeError, match="non-empty list"):
+        cache_registry.check_names([])
+    with pytest.raises(ValueError, match="unknown cache"):
+        cache_registry.check_names(["kvlib-int4", "int4"])
+
+
+def test_reference_name_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="no reference cache"):
+        cache_registry.reference_name(torch.int8)
+
+
+def test_the_cache_benchmark_names_registry_caches():
+    """benchmarks/bench_cache.py compares caches by registry name: no private spellings."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_cache", bench / "bench_cache.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    assert cache_registry.check_names(module.BENCH_CACHES)

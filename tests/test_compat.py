@@ -1,0 +1,72 @@
+"""kvlib.compat: building DynamicCaches from tensors, reading them back, copying and prefilling.
+
+(The cache-keyword adapter's tests live in test_quality.py next to the forward passes.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlib import compat
+
+
+def _layers(n: int = 3, seq: int = 5, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(2, 4, seq, 8, generator=g).to(dtype),
+            torch.randn(2, 4, seq, 8, generator=g).to(dtype),
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dynamic_cache_from_and_back(dtype) -> None:
+    layers = _layers(dtype=dtype)
+    cache = compat.dynamic_cache_from(layers)
+    assert type(cache).__name__ == "DynamicCache" and cache.get_seq_length() == 5
+    back = compat.cache_tensors(cache)
+    assert len(back) == 3
+    for (k, v), (k2, v2) in zip(layers, back, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2) and k2.dtype == dtype
+
+
+def test_clone_cache_is_independent() -> None:
+    cache = compat.dynamic_cache_from(_layers())
+    copy = compat.clone_cache(cache)
+    compat.cache_tensors(copy)[0][0].zero_()
+    copy.update(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), 0)
+    assert compat.cache_tensors(cache)[0][0].abs().sum() > 0  # the original's tensors untouched
+    assert cache.get_seq_length() == 5 and copy.get_seq_length() == 6
+
+
+def test_bad_cache_inputs() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        compat.dynamic_cache_from([])
+    with pytest.raises(TypeError, match="list of"):
+        compat.dynamic_cache_from(torch.zeros(2, 2, 2, 2, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pair"):
+        compat.dynamic_cache_from([(torch.zeros(1, 1, 1, 1),)])
+    with pytest.raises(ValueError, match="seq_len"):
+        compat.dynamic_cache_from([(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3))])
+    with pytest.raises(TypeError, match="DynamicCache"):
+        compat.cache_tensors(torch.zeros(3))
+    with pytest.raises(ValueError, match="empty"):
+        compat.cache_tensors(compat.dynamic_cache())
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        compat.prefill_cache(None, [1, 2])  # type: ignore[arg-type]
+
+
+def test_chunked_prefill_fills_the_same_cache(model, eval_ids) -> None:
+    ids = eval_ids[:, :100]
+    whole = compat.prefill_cache(model, ids)
+    chunked = compat.prefill_cache(model, ids, chunk_size=32)
+    assert whole.get_seq_length() == chunked.get_seq_length() == 100
+    for (k, v), (k2, v2) in zip(
+        compat.cache_tensors(whole), compat.cache_tensors(chunked), strict=True
+    ):
+        assert torch.allclose(k, k2, atol=1e-4) and torch.allclose(v, v2, atol=1e-4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        compat.prefill_cache(model, ids, chunk_size=0)

@@ -1,0 +1,148 @@
+"""kvlib.kvtc: codec round trips within the predicted error, the byte format, bad bytes."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from _synthetic_kv import correlated_layers
+
+import kvlib
+from kvlib import compat, kvtc, pca, quality
+
+
+def _mid_mse(a, b, sink: int, recent: int) -> float:
+    """Mean squared error of two caches over the compressed tokens (between the windows)."""
+    errs = []
+    for (k1, v1), (k2, v2) in zip(compat.cache_tensors(a), compat.cache_tensors(b), strict=True):
+        end = k1.shape[2] - recent
+        errs += [
+            ((k1 - k2)[:, :, sink:end] ** 2).flatten(),
+            ((v1 - v2)[:, :, sink:end] ** 2).flatten(),
+        ]
+    return float(torch.cat(errs).double().mean())
+
+
+@pytest.mark.parametrize("cross_layer", [True, False])
+@pytest.mark.parametrize("compression", [3.0, 6.0])
+def test_random_cache_round_trip_within_predicted_error(cross_layer, compression) -> None:
+    basis = pca.fit_basis(correlated_layers(24, 64), cross_layer=cross_layer)
+    codec = kvtc.KVTCCodec(basis, compression=compression, sink_tokens=2, recent_tokens=8)
+    cache = compat.dynamic_cache_from(correlated_layers(2, 200, seed=7))
+    out = codec.decode(codec.encode(cache))
+    measured = _mid_mse(cache, out, 2, 8)
+    predicted = codec.predicted_mse()
+    assert 0.6 * predicted <= measured <= 1.4 * predicted, (measured, predicted)
+    for (k1, v1), (k2, v2) in zip(
+        compat.cache_tensors(cache), compat.cache_tensors(out), strict=True
+    ):
+        assert k2.shape == k1.shape and k2.dtype == k1.dtype
+        # the windows come back as their float16 values
+        assert torch.equal(k2[:, :, :2], k1[:, :, :2].half().float())
+        assert torch.equal(v2[:, :, -8:], v1[:, :, -8:].half().float())
+
+
+@pytest.fixture(scope="module")
+def real_basis(model, tokenizer):
+    calib, _ = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
+    return pca.fit_kv_pca(
+        model, tokenizer, calib, cross_layer=False, max_tokens=1024, chunk_len=256
+    )
+
+
+def test_real_cache_round_trip_and_continue(model, tokenizer, real_basis) -> None:
+    calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
+    assert evaluation[:6000] not in calib  # calibration and evaluation text are disjoint
+    ids = tokenizer(evaluation[:6000], return_tensors="pt").input_ids[:, :364]
+    prefix, nxt = ids[:, :300], ids[:, 300:]
+    cache = compat.prefill_cache(model, prefix)
+    codec = kvtc.KVTCCodec(real_basis, compression=6.0, recent_tokens=64)
+    data = codec.encode(cache)
+    info = codec.inspect(data)
+    assert info.seq_len == 300 and info.compressed_tokens == 300 - 4 - 64
+    assert info.compression_ratio() > 2.0
+    out = codec.decode(data)
+    measured = _mid_mse(cache, out, 4, 64)
+    assert 0.5 * codec.predicted_mse() <= measured <= 2.0 * codec.predicted_mse()
+    ref = quality.continuation_perplexity(model, compat.clone_cache(cache), nxt)
+    got = quality.continuation_perplexity(model, out, nxt)
+    assert out.get_seq_length() == 300 + 64 - 1  # the last token is only a target
+    assert cache.get_seq_length() == 300  # the clone was scored, not the original
+    assert abs(got / ref - 1) < 0.25, (got, ref)
+    assert real_basis.nbytes() > 0
+
+
+def test_bytes_decode_with_a_saved_and_loaded_basis(tmp_path) -> None:
+    basis = pca.fit_basis(correlated_layers(8, 32), cross_layer=True, inv_freq=torch.ones(4))
+    basis.save(tmp_path / "b.safetensors")
+    back = pca.KVPCABasis.load(tmp_path / "b.safetensors")
+    cache = compat.dynamic_cache_from(correlated_layers(1, 40, seed=3))
+    data = kvtc.KVTCCodec(basis, compression=4.0, recent_tokens=4).encode(cache)
+    out = kvtc.KVTCCodec(back, compression=4.0, recent_tokens=4).decode(data)
+    assert out.get_seq_length() == 40
+    ref = kvtc.KVTCCodec(basis, compression=4.0, recent_tokens=4).decode(data)
+    for (k1, v1), (k2, v2) in zip(
+        compat.cache_tensors(ref), compat.cache_tensors(out), strict=True
+    ):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_header_describes_the_bytes() -> None:
+    basis = pca.fit_basis(correlated_layers(8, 32), cross_layer=False)
+    codec = kvtc.KVTCCodec(basis, compression=4.0, sink_tokens=3, recent_tokens=5, coder="zlib")
+    data = codec.encode(compat.dynamic_cache_from(correlated_layers(2, 40, seed=1)))
+    assert data[:4] == kvtc.MAGIC
+    info = codec.inspect(data)
+    assert (info.batch, info.seq_len, info.num_layers, info.kv_heads, info.head_dim) == (
+        2, 40, 2, 2, 8,
+    )  # fmt: skip
+    assert (info.sink_tokens, info.recent_tokens, info.compressed_tokens) == (3, 5, 32)
+    assert (info.dtype, info.coder, info.nbytes) == ("float32", "zlib", len(data))
+    assert info.fp16_bytes == 2 * 2 * 2 * 2 * 2 * 40 * 8
+    assert info.window_bytes + info.code_bytes < len(data)
+
+
+def test_corrupted_or_truncated_bytes_rejected() -> None:
+    basis = pca.fit_basis(correlated_layers(8, 32), cross_layer=False)
+    codec = kvtc.KVTCCodec(basis, compression=4.0, recent_tokens=4)
+    data = codec.encode(compat.dynamic_cache_from(correlated_layers(1, 40, seed=1)))
+    for bad in (data[:-1], data[: len(data) // 2], data[:5], b""):
+        with pytest.raises(ValueError, match="truncated|corrupted"):
+            codec.decode(bad)
+    for pos in (len(data) // 3, len(data) - 10, 20):
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x40
+        with pytest.raises(ValueError):
+            codec.decode(bytes(flipped))
+    with pytest.raises(ValueError, match="magic"):
+        codec.decode(b"XXXX" + data[4:])
+    newer = data[:4] + struct.pack("<H", kvtc.FORMAT_VERSION + 1) + data[6:]
+    with pytest.raises(ValueError, match="format version"):
+        codec.decode(newer)
+    other = pca.fit_basis(correlated_layers(8, 32, seed=5), cross_layer=False)
+    with pytest.raises(ValueError, match="different PCA basis"):
+        kvtc.KVTCCodec(other).decode(data)
+    with pytest.raises(TypeError, match="bytes"):
+        codec.decode("text")  # type: ignore[arg-type]
+
+
+def test_bad_codec_inputs() -> None:
+    basis = pca.fit_basis(correlated_layers(8, 32), cross_layer=True)
+    with pytest.raises(ValueError, match="compression"):
+        kvtc.KVTCCodec(basis, compression=0.5)
+    with pytest.raises(ValueError, match="compression"):
+        kvtc.KVTCCodec(basis, compression=float("inf"))
+    with pytest.raises(TypeError, match="KVPCABasis"):
+        kvtc.KVTCCodec("basis")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="coder"):
+        kvtc.KVTCCodec(basis, coder="gzip")
+    with pytest.raises(ValueError, match="max_bits"):
+        kvtc.KVTCCodec(basis, max_bits=9)
+    with pytest.raises(ValueError, match="recent_tokens"):
+        kvtc.KVTCCodec(basis, recent_tokens=-1)
+    with pytest.raises(TypeError, match="DynamicCache"):
+        kvtc.KVTCCodec(basis).encode(torch.zeros(3))
+    wrong = compat.dynamic_cache_from(correlated_layers(1, 20, layers=3))
+    with pytest.raises(ValueError, match="basis was fitted"):
+        kvtc.KVTCCodec(basis).encode(wrong)

@@ -1,0 +1,174 @@
+"""kvlib.plan_rule: the decision rule in numbers — budget, bytes per sequence, what fits, the
+setting, the engine, and what would fit otherwise."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlib import memory, plan_rule, specs
+from kvlib.plan_rule import (
+    choose_engine,
+    choose_setting,
+    context_that_fits,
+    decide,
+    fallbacks,
+    gpu_share,
+    idle_storage,
+    kv_sequence_bytes,
+    memory_budget,
+    sequences_that_fit,
+)
+
+GIB = 2**30
+LLAMA8 = specs.get_spec("llama-3.1-8b")
+
+
+def test_choose_setting_walks_the_quality_ladder():
+    fits = {"fp16": 4, "int8": 8, "int4": 16, "int2": 32}
+    assert choose_setting(fits, "balanced", 4) == ("fp16", "ok")
+    assert choose_setting(fits, "balanced", 5) == ("int8", "ok")
+    assert choose_setting(fits, "balanced", 16) == ("int4", "ok")
+    assert choose_setting(fits, "balanced", 17) == ("int4", "reduced")
+    assert choose_setting(fits, "aggressive", 17) == ("int2", "ok")
+    assert choose_setting(fits, "max", 5) == ("fp16", "reduced")
+    assert choose_setting(fits, "aggressive", 33) == ("int2", "reduced")
+    only_int2 = {"fp16": 0, "int8": 0, "int4": 0, "int2": 1}
+    assert choose_setting(only_int2, "balanced", 1) == (None, "impossible")
+    assert choose_setting(only_int2, "aggressive", 1) == ("int2", "ok")
+    assert choose_setting(dict.fromkeys(fits, 0), "aggressive", 1) == (None, "impossible")
+
+
+def test_choose_engine_and_idle_storage():
+    assert choose_engine("cpu", 64, 1) == "llama.cpp"
+    assert choose_engine("gpu", 1, 1) == "transformers"
+    assert choose_engine("gpu", 2, 1) == choose_engine("gpu", 1, 2) == "vllm"
+    n = plan_rule.IDLE_STORAGE_MIN_SESSIONS
+    assert idle_storage(n, "int4") == "pca" and idle_storage(n - 1, "int4") is None
+    assert idle_storage(n, None) is None  # nothing to store when nothing fits
+
+
+def test_memory_budget_counts_gib_and_shards_weights():
+    b = memory_budget(LLAMA8, "gpu", 24, 16)
+    assert b.device_bytes == 24 * GIB  # an "24 GB" card holds 24 GiB
+    assert b.headroom_bytes == int(24 * GIB * 0.10) and b.weights_bytes == LLAMA8.num_params * 2
+    assert b.overhead_bytes == GIB + 2048 * 4096 * 16 * 2  # runtime + one prefill chunk
+    assert b.kv_budget_bytes == b.usable_bytes - b.weights_bytes - b.overhead_bytes
+    assert [label for label, _ in b.rows()][-1] == "left for the KV cache"
+    tp2 = memory_budget(LLAMA8, "gpu", 24, 16, tp=2)
+    assert tp2.weights_bytes == -(-LLAMA8.num_params * 2 // 2) and tp2.tensor_parallel_size == 2
+    cpu = memory_budget(LLAMA8, "cpu", 24, 8)
+    assert cpu.headroom_bytes == int(24 * GIB * 0.25) and cpu.weights_bytes == LLAMA8.num_params
+    assert memory_budget(LLAMA8, "gpu", 0, 16).kv_budget_bytes < 0
+    with pytest.raises(ValueError, match="parameter count"):
+        memory_budget(specs.ModelSpec("x", 2, 4, 4, 8), "gpu", 24, 16)
+
+
+def test_gpu_share_splits_kv_heads_not_mla():
+    assert gpu_share(LLAMA8, 1) is LLAMA8
+    full = memory.kv_cache_bytes(LLAMA8, 4096)
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None), 2) == full // 2  # 4 of 8 KV heads
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None), 8) == full // 8
+    assert gpu_share(LLAMA8, 16).num_kv_heads == 1  # 16 GPUs, 8 heads: replicated
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None), 16) == full // 8
+    ds = specs.get_spec("deepseek-v3")
+    assert kv_sequence_bytes(ds, 4096, (16, None), 8) == memory.kv_cache_bytes(ds, 4096)
+    # group-wise metadata is counted: int4 in groups of 64 is 4.5 bits per value
+    assert kv_sequence_bytes(LLAMA8, 4096, (4, 64), 1) == full * 4.5 / 16
+
+
+_STORES = [plan_rule.storage(name) for name in plan_rule.KV_SETTINGS] + [(8, None), (4, 64)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(specs.list_specs()),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    store=st.sampled_from(_STORES),
+    budget=st.integers(-GIB, 200 * GIB),
+    concurrency=st.integers(1, 64),
+    context=st.integers(1, 1 << 18),
+)
+def test_what_fits_is_the_byte_math_on_one_gpu(name, tp, store, budget, concurrency, context):
+    """sequences_that_fit / context_that_fits (kvlib.memory's max_batch / max_context) give
+    exactly the largest count whose cache fits the budget, as the plan defined them before it
+    used kvlib.memory."""
+    spec = specs.get_spec(name)
+    if not plan_rule.valid_tp(spec, tp):
+        return
+
+    def need(n: int, seqs: int) -> int:
+        return seqs * kv_sequence_bytes(spec, n, store, tp)
+
+    n_seqs = sequences_that_fit(spec, budget, context, store, tp)
+    assert n_seqs == (budget // need(context, 1) if budget > 0 else 0)
+    ctx = context_that_fits(spec, budget, concurrency, store, tp)
+    if ctx == memory.UNBOUNDED:  # every layer slides and the full windows fit
+        assert spec.num_full_layers == 0 and need(spec.sliding_window, concurrency) <= budget
+    elif ctx > 0:
+        assert need(ctx, concurrency) <= budget < need(ctx + 1, concurrency)
+    else:
+        assert budget <= 0 or need(1, concurrency) > budget
+
+
+def test_decide_llama8b_on_24gib_at_32k():
+    d = decide(LLAMA8, 24, 32768, 4, model="llama-3.1-8b")
+    assert (d.status, d.kv, d.engine, d.paging, d.idle_storage) == (
+        "ok",
+        "int4",
+        "vllm",
+        True,
+        None,
+    )
+    fp16_seq = 32768 * 32 * 2 * 8 * 128 * 2  # tokens × layers × K,V × heads × head_dim × bytes
+    assert d.kv_bytes_per_sequence_fp16 == fp16_seq
+    assert d.kv_bytes_per_sequence == fp16_seq * 4.5 / 16
+    assert d.max_concurrency_fp16 == d.budget.kv_budget_bytes // fp16_seq == 1
+    assert d.max_concurrency == d.sequences_by_setting["int4"] >= 4 and d.fits
+    assert d.max_context == context_that_fits(LLAMA8, d.budget.kv_budget_bytes, 4, (4, 64))
+    assert d.max_context >= 32768 > d.max_context_fp16
+    assert d.num_sequences == 4 and d.setting.name == "int4"
+    assert d.lowest_setting == "int4"
+
+
+def test_decide_impossible_and_reduced():
+    none = decide(specs.get_spec("qwen2.5-7b"), 16, 8192)
+    assert (none.status, none.kv, none.max_concurrency, none.max_context) == (
+        "impossible",
+        None,
+        0,
+        0,
+    )
+    assert none.budget.kv_budget_bytes < 0 and not none.fits
+    # the bytes shown for an impossible request are those of the lowest allowed setting
+    assert none.kv_bytes_per_sequence == kv_sequence_bytes(none.spec, 8192, (4, 64))
+    few = decide(LLAMA8, 24, 32768, 16)
+    assert few.status == "reduced" and few.kv == "int4" and 1 <= few.max_concurrency < 16
+    assert few.num_sequences == few.max_concurrency
+
+
+def test_fallbacks_name_changes_that_fit():
+    qwen = decide(specs.get_spec("qwen2.5-7b"), 16, 8192)
+    fb = fallbacks(qwen)
+    assert fb.weight_bits == (8, "fp16") and fb.num_gpus == (2, "fp16")
+    assert fb.num_gpus_and_weight_bits is None  # lower weight bits alone already fit
+    assert fb.context_len == 0 and fb.quality is None
+    # the memory it names is what the whole request needs, at the lowest allowed setting
+    spec = qwen.spec
+    assert decide(spec, fb.memory_gib * 1.001, 8192).fits
+    assert not decide(spec, fb.memory_gib * 0.999, 8192).fits
+
+    big = decide(specs.get_spec("llama-3.1-70b"), 24, 8192)
+    fb = fallbacks(big)
+    assert fb.weight_bits is None  # 4-bit weights (32.9 GiB) do not fit one 24 GiB card alone
+    n, wb, kv = fb.num_gpus_and_weight_bits
+    assert (n, wb) == (2, 4) and decide(big.spec, 24, 8192, 1, weight_bits=4, num_gpus=2).kv == kv
+
+    few = decide(LLAMA8, 24, 32768, 16)
+    fb = fallbacks(few)
+    assert fb.context_len == few.max_context > 0  # reduced at the lowest setting: same figure
+    assert fb.quality is None or decide(LLAMA8, 24, 32768, 16, quality=fb.quality[0]).fits
+
+    cpu = decide(LLAMA8, 8, 32768, 16, device="cpu")
+    assert fallbacks(cpu).num_gpus is None  # more GPUs are not an answer for a CPU

@@ -1,0 +1,201 @@
+"""kvlib.results: the one versioned results file, and RESULTS.md quoting only what it holds."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlib import cache_registry, results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Which run of kvlib/results.json each section of benchmarks/RESULTS.md reports.
+SECTION_RUNS = {
+    "Quantization kernels (kvlib.quant)": "quant",
+    "Quantized KV cache in transformers (kvlib.cache vs HF QuantizedCache)": "cache",
+    "PCA transform coding (kvlib.pca)": "pca",
+    "Serving simulation (300 requests, seed 0, 1 GiB KV, max_len 2048)": "paged",
+    "Parallel sampling in the simulation (75 requests x 4 samples, paged 16)": "paged",
+    "Prefix sharing: 4 parallel samples of a 1024-token prompt (block size 16)": "paged",
+    "Paged attention vs dense SDPA (fp32 CPU, 9/3 heads, d=64, block 16)": "paged",
+    "Generation on the bundled SmolLM2-135M (16 new tokens, greedy, CPU)": "paged",
+    "CPU: the bundled SmolLM2-135M, every cache side by side (notebook 07)": "full_model_cpu",
+    "CPU dry run of the GPU check": "gpu_check_dry_run",
+}
+
+
+def _tables(text: str) -> list[tuple[str, list[list[str]]]]:
+    """(heading, body rows as cells) of every Markdown table, under its nearest heading."""
+    out, heading, block = [], "", []
+
+    def flush() -> None:
+        if len(block) >= 2 and set(block[1].replace("|", "").strip()) <= set("-: "):
+            rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in block[2:]]
+            out.append((heading, rows))
+        block.clear()
+
+    for line in text.splitlines():
+        if line.lstrip().startswith("|"):
+            block.append(line)
+            continue
+        flush()
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+    flush()
+    return out
+
+
+def _numbers(x) -> list[float]:
+    if isinstance(x, bool):
+        return []
+    if isinstance(x, int | float):
+        return [float(x)]
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in _numbers(v)]
+    if isinstance(x, list):
+        return [n for v in x for n in _numbers(v)]
+    return []
+
+
+_NUMBER = re.compile(r"^[+-]?\d+(?:\.(\d+))?(?:e([+-]\d+))?$")
+
+
+def _cell_value(cell: str) -> tuple[float, float] | None:
+    """(value, half a unit of its last printed digit), or None for a non-number."""
+    text = re.sub(r"\s*(%|×|x|MiB)$", "", cell.replace("**", "").strip())
+    for part in text.split(" / "):  # "0.0219 / 0.0320": checked one by one by the caller
+        if not _NUMBER.match(part):
+            return None
+    match = _NUMBER.match(text)
+    if match is None:
+        return None
+    decimals = len(match.group(1) or "")
+    exponent = int(match.group(2) or 0)
+    return float(text), 0.5 * 10.0 ** (exponent - decimals)
+
+
+def test_package_results_load_and_name_caches_by_the_registry():
+    data = results.load_results()
+    assert data["schema_version"] == results.SCHEMA_VERSION
+    assert {"cache", "pca", "paged", "quant"} <= set(data["runs"])
+    cache_run = data["runs"]["cache"]
+    assert cache_run["rows"] and cache_run["decode"]
+    for name in (*cache_run["rows"], *cache_run["decode"]):
+        cache_registry.cache_info(name)  # raises for a name the registry does not know
+    assert "kvlib-int4" in results.cache_costs()
+
+
+def test_every_figure_in_results_md_tables_is_in_the_json():
+    data = results.load_results()
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    checked = 0
+    for heading, rows in _tables(text):
+        assert heading in SECTION_RUNS, f"RESULTS.md table under {heading!r} has no run"
+        numbers = _numbers(data["runs"][SECTION_RUNS[heading]])
+        for row in rows:
+            for cell in row[1:]:
+                parts = cell.split(" / ") if " / " in cell else [cell]
+                for part in parts:
+                    parsed = _cell_value(part)
+                    if parsed is None:
+                        continue
+                    value, tol = parsed
+                    assert any(abs(n - value) <= tol * 1.0001 for n in numbers), (
+                        f"{heading}: {row[0]} quotes {part!r}, not in run "
+                        f"{SECTION_RUNS[heading]!r} of kvlib/results.json"
+                    )
+                    checked += 1
+    assert checked > 300
+
+
+def test_results_md_quotes_a_figure_the_json_lacks_fails(tmp_path):
+    """The check above can fail: a changed figure is caught."""
+    data = results.load_results()
+    numbers = _numbers(data["runs"]["cache"])
+    value, tol = _cell_value("+0.248")
+    assert not any(abs(n - value) <= tol for n in numbers)
+    value, tol = _cell_value("+0.247")
+    assert any(abs(n - value) <= tol for n in numbers)
+
+
+def test_cache_cost_reads_one_row_and_refuses_unknown_names():
+    costs = results.cache_cost("kvlib-int4")
+    row = results.load_results()["runs"]["cache"]["rows"]["kvlib-int4"]
+    assert costs["perplexity_delta_pct"] == row["perplexity_delta_pct"]
+    assert costs["x_smaller_than_fp16"] == row["x_smaller_than_fp16"]
+    assert results.cache_cost("kvlib-int4", {"schema_version": 1, "runs": {}}) == {}
+    assert results.cache_cost("fp16-dynamic") == {}  # the old name is gone
+    with pytest.raises(TypeError, match="cache name"):
+        results.cache_cost(4)
+
+
+def test_record_run_round_trips_and_keeps_other_runs(tmp_path):
+    path = tmp_path / "results.json"
+    entry = {
+        "source": "benchmarks/x.py",
+        "command": "python benchmarks/x.py",
+        "machine": "test",
+        "rows": {"kvlib-int4": {"perplexity": 1.5, "x_smaller_than_fp16": math.nan}},
+    }
+    results.record_run("cache", entry, path)
+    results.record_run("pca", {**entry, "source": "benchmarks/y.py"}, path)
+    data = results.load_results(path)
+    assert set(data["runs"]) == {"cache", "pca"}
+    assert data["runs"]["cache"]["date"]  # defaulted to today
+    assert data["runs"]["cache"]["rows"]["kvlib-int4"]["x_smaller_than_fp16"] is None
+    assert results.cache_cost("kvlib-int4", data) == {"perplexity": 1.5}
+
+
+def test_bad_results_files_raise_clear_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="does not exist"):
+        results.load_results(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        results.load_results(bad)
+    bad.write_text(json.dumps({"schema_version": 99, "runs": {}}))
+    with pytest.raises(ValueError, match="schema_version 99"):
+        results.load_results(bad)
+    bad.write_text(json.dumps({"schema_version": 1, "runs": {"cache": {"rows": {}}}}))
+    with pytest.raises(ValueError, match="lacks source, command, date, machine"):
+        results.load_results(bad)
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="does not exist"):
+        results.load_results()
+    with pytest.raises(ValueError, match="lacks"):
+        results.record_run("cache", {"rows": {}}, tmp_path / "new.json")
+
+
+def test_provenance_names_the_model_only_when_the_run_has_one():
+    run = {"source": "benchmarks/b.py", "date": "2026-12-03", "model": "M"}
+    assert results.provenance(run) == "on M, measured 2026-12-03 by benchmarks/b.py"
+    del run["model"]
+    assert results.provenance(run) == "measured 2026-12-03 by benchmarks/b.py"
+
+
+def test_results_md_t4_prediction_is_kvlib_memory_at_notebook_07s_budget():
+    """The predicted-fits paragraph is byte math: recompute every figure it quotes."""
+    from kvlib import memory, specs
+
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    start = text.index('Predicted "what fits" on a T4')
+    paragraph = " ".join(text[start : text.index("Not yet confirmed on a GPU.", start)].split())
+    assert "14.4 GiB" in paragraph
+    budget = 0.9 * memory.GPUS["T4"]  # notebook 07's BUDGET_BYTES
+    spec = specs.get_spec("smollm2-1.7b")
+    names = ["dynamic-fp16", "kvlib-int8", "kvlib-int4", "kvlib-int2", "quanto-int4"]
+    contexts, batches = [], []
+    for name in names:
+        info = cache_registry.cache_info(name)
+        bits = info.cache_bits(16)
+        group = info.group_size if bits < 16 else None
+        contexts.append(memory.max_context(spec, budget, bits=bits, group_size=group))
+        batches.append(memory.max_batch(spec, budget, 8192, bits=bits, group_size=group))
+    for name, context in zip(names, contexts, strict=True):
+        quoted = f"{context:,}".replace(",", " ")
+        assert quoted in paragraph, f"{name}: {quoted} tokens not quoted"
+    assert "largest batch at 8192 tokens " + " / ".join(map(str, batches)) in paragraph
