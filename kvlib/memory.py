@@ -16,7 +16,8 @@ sliding-window layers at most ``sliding_window`` tokens (see :mod:`kvlib.specs`)
 All byte counts are exact integers. Quantized caches (bits < 16) are counted as payload only,
 unless ``group_size`` (values per scale) is given, in which case one fp16 scale and one fp16
 zero-point per group of ``group_size`` values along ``head_dim`` (or along the MLA latent) are
-added.
+added: ``group_meta_bits=32`` per group. Formats that keep a scale alone pass
+``group_meta_bits=16`` (llama.cpp's ``q8_0``/``q4_0``: blocks of 32 values, one fp16 scale).
 
 GPU memory is counted in GiB (2³⁰ bytes), the unit nvidia-smi, ``torch.cuda.mem_get_info`` and
 vLLM report and the one an "80 GB" HBM card means: see :data:`GPUS`.
@@ -50,8 +51,9 @@ GIB: int = 2**30
 #: sliding-window and the full windows fit).
 UNBOUNDED: int = sys.maxsize
 
-#: Bits of one fp16 scale plus one fp16 zero-point, stored per quantization group.
-_GROUP_META_BITS = 2 * 16
+#: Bits of one fp16 scale plus one fp16 zero-point, stored per quantization group (the default
+#: ``group_meta_bits``).
+GROUP_META_BITS = 2 * 16
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -61,30 +63,39 @@ def _ceil_div(a: int, b: int) -> int:
 # -- the formula ----------------------------------------------------------------------------
 
 
-def _group_meta_bits_per_vector(length: int, bits: int, group_size: int | None) -> int:
-    """Scale + zero-point bits for one cached vector of ``length`` values."""
+def _group_meta_bits_per_vector(
+    length: int, bits: int, group_size: int | None, meta_bits: int
+) -> int:
+    """Scale (+ zero-point) bits for one cached vector of ``length`` values."""
     if group_size is None or bits >= 16:
         return 0
-    return _ceil_div(length, group_size) * _GROUP_META_BITS
+    return _ceil_div(length, group_size) * meta_bits
 
 
-def _bits_per_token_per_layer(spec: specs.ModelSpec, bits: int, group_size: int | None) -> int:
+def _bits_per_token_per_layer(
+    spec: specs.ModelSpec, bits: int, group_size: int | None, meta_bits: int = GROUP_META_BITS
+) -> int:
     """Bits one token costs in one layer, payload plus optional quantization metadata."""
     payload = spec.elements_per_token_per_layer * bits
+
+    def meta(length: int) -> int:
+        return _group_meta_bits_per_vector(length, bits, group_size, meta_bits)
+
     if spec.is_mla:
         assert spec.kv_lora_rank is not None and spec.qk_rope_head_dim is not None
-        meta = _group_meta_bits_per_vector(spec.kv_lora_rank, bits, group_size)
-        meta += _group_meta_bits_per_vector(spec.qk_rope_head_dim, bits, group_size)
-    else:
-        # one K vector and one V vector per KV head
-        meta = 2 * spec.num_kv_heads * _group_meta_bits_per_vector(spec.head_dim, bits, group_size)
-    return payload + meta
+        return payload + meta(spec.kv_lora_rank) + meta(spec.qk_rope_head_dim)
+    # one K vector and one V vector per KV head
+    return payload + spec.num_kv_heads * (meta(spec.head_dim) + meta(spec.v_head_dim))
 
 
 def _check_group_size(group_size: Any) -> int | None:
     if group_size is None:
         return None
     return check_int(group_size, "group_size", minimum=1)
+
+
+def _check_meta_bits(group_meta_bits: Any) -> int:
+    return check_int(group_meta_bits, "group_meta_bits", minimum=0)
 
 
 def _check_spec(spec: Any) -> specs.ModelSpec:
@@ -102,6 +113,7 @@ def kv_cache_bits(
     bits: int = 16,
     *,
     group_size: int | None = None,
+    group_meta_bits: int = GROUP_META_BITS,
 ) -> int:
     """Exact number of bits of the cache (see :func:`kv_cache_bytes`)."""
     spec = _check_spec(spec)
@@ -109,7 +121,8 @@ def kv_cache_bits(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     bits = check_bits(bits, "bits", allowed=PRICED_BITS)
     group_size = _check_group_size(group_size)
-    per_layer = _bits_per_token_per_layer(spec, bits, group_size)
+    group_meta_bits = _check_meta_bits(group_meta_bits)
+    per_layer = _bits_per_token_per_layer(spec, bits, group_size, group_meta_bits)
     return sum(per_layer * tokens for tokens in spec.tokens_cached(seq_len)) * batch_size
 
 
@@ -120,6 +133,7 @@ def kv_cache_bytes(
     bits: int = 16,
     *,
     group_size: int | None = None,
+    group_meta_bits: int = GROUP_META_BITS,
 ) -> int:
     """Bytes of the KV cache of ``batch_size`` sequences of ``seq_len`` tokens each.
 
@@ -130,8 +144,8 @@ def kv_cache_bytes(
     Sliding-window layers count ``min(seq_len, sliding_window)`` tokens (the tokens attention
     reads at one step; transformers' ``DynamicSlidingWindowLayer`` keeps one fewer between
     steps). MLA layers count ``kv_lora_rank + qk_rope_head_dim`` values per token instead of
-    ``2 × num_kv_heads × head_dim`` — what MLA-aware engines (vLLM, SGLang) store; transformers'
-    own DeepSeek implementation caches the expanded per-head K/V instead.
+    ``2 × num_kv_heads × head_dim`` — what MLA-aware engines (vLLM, SGLang) and transformers 5
+    store; :meth:`~kvlib.specs.ModelSpec.without_mla` prices the expanded per-head K/V.
 
     Args:
         spec: a :class:`~kvlib.specs.ModelSpec` or a registry name.
@@ -140,15 +154,26 @@ def kv_cache_bytes(
         bits: bits per cached value, one of :data:`kvlib.validate.PRICED_BITS`.
         group_size: if given (and ``bits < 16``), add one fp16 scale and one fp16 zero-point per
             ``group_size`` values of every cached vector.
+        group_meta_bits: metadata bits per group: 32 (scale and zero point, the default) or
+            16 (a scale alone, as llama.cpp's ``q8_0``/``q4_0`` blocks keep).
 
     Returns:
         The exact byte count, rounded up once to a whole byte.
     """
-    return _ceil_div(kv_cache_bits(spec, seq_len, batch_size, bits, group_size=group_size), 8)
+    return _ceil_div(
+        kv_cache_bits(
+            spec, seq_len, batch_size, bits, group_size=group_size, group_meta_bits=group_meta_bits
+        ),
+        8,
+    )
 
 
 def kv_bytes_per_token(
-    spec: specs.ModelSpec | str, bits: int = 16, *, group_size: int | None = None
+    spec: specs.ModelSpec | str,
+    bits: int = 16,
+    *,
+    group_size: int | None = None,
+    group_meta_bits: int = GROUP_META_BITS,
 ) -> int:
     """Bytes one token adds to the cache of one sequence while it is inside every window.
 
@@ -159,7 +184,10 @@ def kv_bytes_per_token(
     spec = _check_spec(spec)
     bits = check_bits(bits, "bits", allowed=PRICED_BITS)
     group_size = _check_group_size(group_size)
-    return _ceil_div(_bits_per_token_per_layer(spec, bits, group_size) * spec.num_layers, 8)
+    group_meta_bits = _check_meta_bits(group_meta_bits)
+    return _ceil_div(
+        _bits_per_token_per_layer(spec, bits, group_size, group_meta_bits) * spec.num_layers, 8
+    )
 
 
 # -- what fits ------------------------------------------------------------------------------
@@ -193,6 +221,7 @@ def max_context(
     overhead_bytes: float = 0,
     utilization: float = 1.0,
     group_size: int | None = None,
+    group_meta_bits: int = GROUP_META_BITS,
 ) -> int:
     """Longest context (tokens per sequence) whose cache fits next to the weights.
 
@@ -214,12 +243,18 @@ def max_context(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     bits = check_bits(bits, "bits", allowed=PRICED_BITS)
     group_size = _check_group_size(group_size)
+    group_meta_bits = _check_meta_bits(group_meta_bits)
     budget = _kv_budget_bits(spec, memory_bytes, weight_bits, overhead_bytes, utilization)
     if budget < 0:
         return 0
 
     def fits(n: int) -> bool:
-        return kv_cache_bits(spec, n, batch_size, bits, group_size=group_size) <= budget
+        return (
+            kv_cache_bits(
+                spec, n, batch_size, bits, group_size=group_size, group_meta_bits=group_meta_bits
+            )
+            <= budget
+        )
 
     if spec.num_full_layers == 0:
         assert spec.sliding_window is not None
@@ -228,7 +263,10 @@ def max_context(
         hi = spec.sliding_window  # does not fit
     else:
         # past the largest window, only full layers grow: one token costs at least this much
-        per_token = _bits_per_token_per_layer(spec, bits, group_size) * spec.num_full_layers
+        per_token = (
+            _bits_per_token_per_layer(spec, bits, group_size, group_meta_bits)
+            * spec.num_full_layers
+        )
         hi = budget // (per_token * batch_size) + 1  # does not fit
     lo = 0  # fits (the empty cache)
     while hi - lo > 1:
@@ -250,6 +288,7 @@ def max_batch(
     overhead_bytes: float = 0,
     utilization: float = 1.0,
     group_size: int | None = None,
+    group_meta_bits: int = GROUP_META_BITS,
 ) -> int:
     """Most sequences of ``seq_len`` tokens whose caches fit next to the weights at once.
 
@@ -268,12 +307,15 @@ def max_batch(
     seq_len = check_int(seq_len, "seq_len", minimum=1)
     bits = check_bits(bits, "bits", allowed=PRICED_BITS)
     group_size = _check_group_size(group_size)
+    group_meta_bits = _check_meta_bits(group_meta_bits)
     budget = _kv_budget_bits(spec, memory_bytes, weight_bits, overhead_bytes, utilization)
     if budget < 0:
         return 0
     # kv_cache_bytes(b) = ceil(b × per_seq / 8) <= budget/8  ⇔  b × per_seq <= budget
     # (budget is a multiple of 8 bits)
-    per_seq = kv_cache_bits(spec, seq_len, 1, bits, group_size=group_size)
+    per_seq = kv_cache_bits(
+        spec, seq_len, 1, bits, group_size=group_size, group_meta_bits=group_meta_bits
+    )
     return budget // per_seq
 
 

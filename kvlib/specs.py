@@ -70,8 +70,9 @@ class ModelSpec:
         num_kv_heads: key/value heads per layer (``num_key_value_heads``); equal to
             ``num_heads`` for MHA, 1 for MQA. For MLA models this is the number of heads the
             latent is expanded into and does not enter the cache size.
-        head_dim: size of one key (= value) vector. For MLA models: the per-head value size,
-            used only for the "what would it cost without MLA" comparison.
+        head_dim: size of one key vector (and of one value vector unless ``value_head_dim``
+            says otherwise). For MLA models: the per-head value size (DeepSeek's
+            ``v_head_dim``), used only for the "what would it cost without MLA" comparison.
         num_params: total parameter count (all experts for MoE), for weights memory.
         sliding_window: attention window of the sliding-window layers, or ``None``.
         layer_types: per-layer ``"full"`` / ``"sliding"`` (transformers' ``"full_attention"`` /
@@ -80,6 +81,8 @@ class ModelSpec:
         kv_lora_rank: MLA latent size cached per layer per token (512 for DeepSeek-V3).
         qk_rope_head_dim: MLA decoupled RoPE key size cached per layer per token (64).
         vocab_size, hidden_size, max_position_embeddings: optional context facts.
+        value_head_dim: size of one value vector when it differs from the key's ``head_dim``
+            (DeepSeek's keys are 192 wide, 128 + 64 RoPE, its values 128), else ``None``.
         source: where the figures come from (config.json on the hub, paper).
     """
 
@@ -96,6 +99,7 @@ class ModelSpec:
     vocab_size: int | None = None
     hidden_size: int | None = None
     max_position_embeddings: int | None = None
+    value_head_dim: int | None = None
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +120,7 @@ class ModelSpec:
             "vocab_size",
             "hidden_size",
             "max_position_embeddings",
+            "value_head_dim",
         ):
             value = getattr(self, attr)
             if value is not None:
@@ -186,13 +191,19 @@ class ModelSpec:
         return self.num_layers - self.num_sliding_layers
 
     @property
+    def v_head_dim(self) -> int:
+        """Size of one value vector: ``value_head_dim`` if set, else ``head_dim``."""
+        return self.value_head_dim if self.value_head_dim is not None else self.head_dim
+
+    @property
     def elements_per_token_per_layer(self) -> int:
-        """Cached values per token in one layer: ``2 × num_kv_heads × head_dim`` (K and V), or
+        """Cached values per token in one layer: ``num_kv_heads × (head_dim + v_head_dim)``
+        (K and V; ``2 × num_kv_heads × head_dim`` when they are equally wide), or
         ``kv_lora_rank + qk_rope_head_dim`` for MLA."""
         if self.is_mla:
             assert self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
             return self.kv_lora_rank + self.qk_rope_head_dim
-        return 2 * self.num_kv_heads * self.head_dim
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
     def tokens_cached(self, seq_len: int) -> tuple[int, ...]:
         """Tokens each layer holds after ``seq_len`` tokens: ``seq_len`` for full layers,
@@ -217,9 +228,27 @@ class ModelSpec:
         return -(-self.num_params * bits // 8)
 
     def without_mla(self) -> ModelSpec:
-        """The same model with plain per-head K/V (``num_kv_heads × head_dim``) instead of
-        the MLA latent: what the cache would cost without MLA."""
-        return replace(self, name=f"{self.name} (no MLA)", kv_lora_rank=None, qk_rope_head_dim=None)
+        """The same model with plain per-head K/V instead of the MLA latent: what the cache
+        would cost without MLA.
+
+        Each of the ``num_kv_heads`` heads then caches a key of ``head_dim + qk_rope_head_dim``
+        values (DeepSeek-V3: 128 + 64 = 192, the RoPE part included) and a value of
+        ``head_dim`` (128): the expanded keys and values attention reads.
+
+        Raises:
+            ValueError: the model does not use MLA.
+        """
+        if not self.is_mla:
+            raise ValueError(f"{self.name} does not use MLA: it already caches plain K/V")
+        assert self.qk_rope_head_dim is not None
+        return replace(
+            self,
+            name=f"{self.name} (no MLA)",
+            head_dim=self.head_dim + self.qk_rope_head_dim,
+            value_head_dim=self.head_dim,
+            kv_lora_rank=None,
+            qk_rope_head_dim=None,
+        )
 
 
 # -- reading a transformers config ----------------------------------------------------------

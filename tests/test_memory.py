@@ -43,7 +43,8 @@ def test_well_known_per_token_figures():
     # DeepSeek-V3 MLA: 61 layers × 576 values × 2 bytes
     assert kv_bytes_per_token("deepseek-v3") == 61 * 576 * 2 == 70_272
     plain = get_spec("deepseek-v3").without_mla()
-    assert kv_bytes_per_token(plain) == 2 * 61 * 128 * 128 * 2
+    # as plain MHA: 128 heads, keys 128 + 64 (RoPE) wide, values 128 wide, fp16
+    assert kv_bytes_per_token(plain) == 61 * 128 * (192 + 128) * 2
     assert kv_bytes_per_token(plain) > 50 * kv_bytes_per_token("deepseek-v3")
 
 
@@ -128,22 +129,45 @@ def test_group_size_adds_scales_and_zero_points():
     assert kv_cache_bytes(spec, 1, bits=4, group_size=32) == (2 * 64 * 4 + 2 * 2 * 32) // 8
     assert kv_cache_bytes(spec, 1, bits=16, group_size=32) == kv_cache_bytes(spec, 1)
     assert kv_bytes_per_token(spec, 4, group_size=64) == 2 * 32 + 2 * 4
+    # keys 96 wide (3 groups of 32), values 64 wide (2 groups): groups counted per vector
+    wide_keys = ModelSpec("kv", 1, 2, 2, 96, value_head_dim=64)
+    assert (
+        kv_cache_bits(wide_keys, 1, bits=4, group_size=32) == 2 * (96 + 64) * 4 + 2 * (3 + 2) * 32
+    )
+
+
+def test_scale_only_groups_price_llama_cpp_blocks_exactly():
+    """q8_0 / q4_0 keep one fp16 scale per block of 32 values: 8.5 / 4.5 bits per value, also
+    where head_dim (96) is not a multiple of 64."""
+    spec = ModelSpec("h96", 1, 1, 1, 96, num_params=1)
+    for bits in (8, 4):
+        got = kv_cache_bits(spec, 1, bits=bits, group_size=32, group_meta_bits=16)
+        assert got == 2 * 96 * bits + 2 * 3 * 16 and got / (2 * 96) == bits + 0.5
+    # groups of 64 with scale + zero point round up to 2 groups per 96 values: not the same
+    assert kv_cache_bits(spec, 1, bits=8, group_size=64) == 2 * 96 * 8 + 2 * 2 * 32
+    assert max_batch(spec, 10**6, 100, bits=4, group_size=32, group_meta_bits=16) == (
+        8 * 10**6 // kv_cache_bits(spec, 100, bits=4, group_size=32, group_meta_bits=16)
+    )
+    with pytest.raises(ValueError, match="group_meta_bits"):
+        kv_cache_bytes(spec, 1, bits=8, group_size=32, group_meta_bits=-1)
 
 
 # -- bad input -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [0, 1, 5, 6, 12, 64, -4])
+@pytest.mark.parametrize("bits", [0, 1, 6, 7, 12, 64, -4])
 def test_bad_bits(bits):
-    with pytest.raises(ValueError, match=rf"bits must be one of 2, 3, 4, 8, 16, 32 \(got {bits}\)"):
+    with pytest.raises(
+        ValueError, match=rf"bits must be one of 2, 3, 4, 5, 8, 16, 32 \(got {bits}\)"
+    ):
         kv_cache_bytes("smollm2-135m", 10, bits=bits)
-    with pytest.raises(ValueError, match="bits must be one of 2, 3, 4, 8, 16, 32"):
+    with pytest.raises(ValueError, match="bits must be one of 2, 3, 4, 5, 8, 16, 32"):
         kv_bytes_per_token("smollm2-135m", bits=bits)
 
 
 @pytest.mark.parametrize("bits", [4.0, "8", True, None])
 def test_bits_of_the_wrong_kind(bits):
-    with pytest.raises(TypeError, match=r"bits must be an int, one of 2, 3, 4, 8, 16, 32"):
+    with pytest.raises(TypeError, match=r"bits must be an int, one of 2, 3, 4, 5, 8, 16, 32"):
         kv_cache_bytes("smollm2-135m", 10, bits=bits)
 
 
@@ -174,7 +198,7 @@ def test_bad_memory_inputs():
     with pytest.raises(ValueError, match="overhead_bytes"):
         max_context("llama-3.1-8b", GPUS["H100 80GB"], overhead_bytes=-5)
     with pytest.raises(ValueError, match="weight_bits must be one of"):
-        max_context("llama-3.1-8b", GPUS["H100 80GB"], weight_bits=5)
+        max_context("llama-3.1-8b", GPUS["H100 80GB"], weight_bits=6)
     with pytest.raises(ValueError, match=r"seq_len must be an int >= 1 \(got 0\)"):
         max_batch("llama-3.1-8b", GPUS["H100 80GB"], 0)
     with pytest.raises(ValueError, match="num_params is unknown"):

@@ -33,8 +33,12 @@ def test_attention_type_and_queries_per_kv_head():
     mla = ModelSpec("mla", 3, 8, 8, 32, kv_lora_rank=100, qk_rope_head_dim=12)
     assert mla.attention_type == "MLA" and mla.elements_per_token_per_layer == 112
     plain = mla.without_mla()
-    assert plain.attention_type == "MHA" and plain.elements_per_token_per_layer == 2 * 8 * 32
+    # expanded: keys of head_dim + qk_rope_head_dim, values of head_dim, per KV head
+    assert (plain.head_dim, plain.v_head_dim) == (32 + 12, 32)
+    assert plain.attention_type == "MHA" and plain.elements_per_token_per_layer == 8 * (44 + 32)
     assert plain.name == "mla (no MLA)"
+    with pytest.raises(ValueError, match="does not use MLA"):
+        mha.without_mla()
 
 
 def test_layer_kinds_and_tokens_cached():
@@ -63,8 +67,8 @@ def test_weights_bytes():
     assert spec.weights_bytes(bits=3) == 376  # 3003 bits
     with pytest.raises(ValueError, match="num_params is unknown"):
         ModelSpec("x", 1, 1, 1, 1).weights_bytes()
-    with pytest.raises(ValueError, match="bits must be one of 2, 3, 4, 8, 16, 32"):
-        spec.weights_bytes(bits=5)
+    with pytest.raises(ValueError, match="bits must be one of 2, 3, 4, 5, 8, 16, 32"):
+        spec.weights_bytes(bits=6)
 
 
 def test_numpy_integers_are_accepted_as_ints():
