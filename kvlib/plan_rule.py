@@ -23,8 +23,9 @@ in order:
    at least one, so heads are replicated when tp > kv_heads; an MLA latent is replicated on every
    GPU), sized by :func:`kvlib.memory.kv_cache_bytes` (sliding windows and MLA included) at each
    setting's *effective* bits per element — the codes plus their metadata: fp16 16, int8 8.5,
-   int4 4.5, int2 2.5 (one fp16 scale and one fp16 zero point per group of 64 = +0.5 bit, the same
-   as llama.cpp's q8_0/q4_0).
+   int4 4.5, int2 2.5 (one fp16 scale and one fp16 zero point per group of 64 = +0.5 bit; the
+   same size as llama.cpp's q8_0/q4_0, which keep one fp16 scale per block of 32 values and no
+   zero point).
 
 3. **Setting**, :func:`choose_setting`: the highest-precision setting, among those the
    ``quality`` level allows, whose cache for ``concurrency`` sequences at the full context fits
@@ -497,7 +498,8 @@ class Fallbacks:
 
     Attributes:
         context_len: the longest context at which all ``concurrency`` sequences fit at the lowest
-            allowed setting (0: none).
+            allowed setting, capped at the model's ``max_position_embeddings`` when known (0:
+            none).
         quality: the next quality level, when it fits the whole request.
         weight_bits: the highest lower weight precision that fits the whole request.
         num_gpus: the fewest GPUs of :data:`TP_CANDIDATES` (more than now) that fit; only tried
@@ -559,10 +561,13 @@ def fallbacks(d: Decision) -> Fallbacks:
                 break
     per_seq = kv_sequence_bytes(d.spec, d.context_len, storage(lowest), tp)
     need = d.budget.weights_bytes + d.budget.overhead_bytes + per_seq * d.concurrency
+    shorter = context_that_fits(
+        d.spec, d.budget.kv_budget_bytes, d.concurrency, storage(lowest), tp
+    )
+    if d.spec.max_position_embeddings:  # memory may allow more than the model was trained on
+        shorter = min(shorter, d.spec.max_position_embeddings)
     return Fallbacks(
-        context_len=context_that_fits(
-            d.spec, d.budget.kv_budget_bytes, d.concurrency, storage(lowest), tp
-        ),
+        context_len=shorter,
         quality=by_quality,
         weight_bits=by_bits,
         num_gpus=by_gpus,

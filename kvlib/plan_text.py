@@ -255,6 +255,10 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _sequences(n: int) -> str:
+    return "sequence" if n == 1 else "sequences"
+
+
 def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
     """What would fit a request that does not (``()`` when it does), from :func:`fallbacks
     <kvlib.plan_rule.fallbacks>`."""
@@ -264,11 +268,12 @@ def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
     out: list[str] = []
     if d.kv is not None:
         out.append(
-            f"{d.sequences_by_setting[lowest]} concurrent sequences at {d.context_len:,} tokens "
-            f"with {lowest}"
+            f"{d.sequences_by_setting[lowest]} concurrent "
+            f"{_sequences(d.sequences_by_setting[lowest])} at {d.context_len:,} tokens with {lowest}"
         )
     if fb.context_len > 0:
-        out.append(f"{n} sequences at up to {fb.context_len:,} tokens with {lowest}")
+        cap = " (the model's maximum)" if fb.context_len == d.spec.max_position_embeddings else ""
+        out.append(f"{n} {_sequences(n)} at up to {fb.context_len:,} tokens{cap} with {lowest}")
     if fb.quality:
         out.append(f"quality={fb.quality[0]!r}: the whole request with {fb.quality[1]}")
     if fb.weight_bits:

@@ -172,3 +172,22 @@ def test_fallbacks_name_changes_that_fit():
 
     cpu = decide(LLAMA8, 8, 32768, 16, device="cpu")
     assert fallbacks(cpu).num_gpus is None  # more GPUs are not an answer for a CPU
+
+
+def test_fallback_context_is_capped_at_the_models_maximum():
+    """Memory alone allows a longer context than Llama-3.1-8B's 131,072 tokens at int4: the
+    suggested shorter context stops at the model's maximum, and says so."""
+    from kvlib import plan_text
+
+    huge = decide(LLAMA8, 24, 10**11)
+    lowest = plan_rule.storage(huge.lowest_setting)
+    memory_only = context_that_fits(LLAMA8, huge.budget.kv_budget_bytes, 1, lowest)
+    assert memory_only > LLAMA8.max_position_embeddings  # the cap is what binds here
+    fb = fallbacks(huge)
+    assert fb.context_len == LLAMA8.max_position_embeddings
+    assert "1 sequence at up to 131,072 tokens (the model's maximum)" in " ".join(
+        plan_text.suggestions(huge, fb)
+    )
+    # below the maximum, the memory figure stands
+    few = decide(LLAMA8, 24, 32768, 16)
+    assert fallbacks(few).context_len == few.max_context < LLAMA8.max_position_embeddings
