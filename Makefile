@@ -21,7 +21,7 @@ PORTABLE_PATHS ?= "$(NBVAL_PATH_2)" "OMP_NUM_THREADS=2 MKL_CBWR=COMPATIBLE" \
 CELL_TIMEOUT := 150
 NBVAL_OPTS := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) -p no:cacheprovider
 
-.PHONY: setup run test unit nbval nbval-portable lint format notebooks bench lab clean
+.PHONY: setup run test unit nbval nbval-portable lint format notebooks student bench lab clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,13 @@ format: setup
 ## notebooks: re-execute notebooks in place (outputs committed); NB=notebooks/03_x.ipynb for one
 notebooks: setup
 	$(VPY) scripts/nb.py execute --timeout $(CELL_TIMEOUT) $(or $(NB),$(NOTEBOOKS))
+
+## student: exercise-only copies for a class (cells tagged "solution" removed) in build/student/,
+## each then run top to bottom with the exercises unanswered (executed copies: build/student/run/)
+student: setup
+	rm -rf build/student
+	$(VPY) scripts/nb.py student --out build/student $(NOTEBOOKS)
+	$(VPY) scripts/nb.py run --timeout $(CELL_TIMEOUT) --out build/student/run build/student/*.ipynb
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done

