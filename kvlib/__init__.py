@@ -36,6 +36,7 @@ module              what it holds                                               
 ``model_choice``    which model to run on this device; random real architectures 07
 ``compare``         caches side by side: memory, speed, quality, agreement       07
 ``capacity``        what fits: predicted and searched max context and batch      07
+``engines``         the KV-cache types each engine runs (vLLM, llama.cpp, …)     08
 ``plan_rule``       the planner's decision rule, in numbers                      08
 ``plan_text``       the planner's reasons, watch-outs and summary                08
 ``plan_engines``    engine settings for transformers, vLLM and llama.cpp         08
@@ -67,6 +68,7 @@ _SUBMODULES = (
     "compat",
     "data",
     "device",
+    "engines",
     "kvtc",
     "memory",
     "model_choice",

@@ -298,7 +298,11 @@ def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
     lines = [p.summary()]
     if p.kv is not None:
         try:
-            lines.append(f"transformers: model.generate(..., **{p.to_transformers()})")
+            t = p.to_transformers()
+            lines.append(
+                f"transformers: model.generate(..., past_key_values=kvlib.cache_registry."
+                f"make_cache({t['cache']!r}, model.config)), batch of {t['batch_size']}"
+            )
         except ValueError as exc:
             lines.append(f"transformers: {exc}")
         for engine, cmd in p.commands().items():

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlib import plan_engines, plan_rule, plan_text
+from kvlib import cache_registry, plan_engines, plan_rule, plan_text
 from kvlib.plan_rule import Decision
 from kvlib.specs import ModelSpec, get_spec, spec_from_config
 from kvlib.validate import check_bits, check_int, check_number
@@ -68,18 +68,22 @@ class Plan(Decision):
 
     # ---------------------------------------------------------------- engines
     def to_transformers(self) -> dict[str, Any]:
-        """Keyword arguments for ``model.generate(**inputs, **plan.to_transformers())``
-        (:func:`kvlib.plan_engines.transformers_kwargs`).
+        """``{"cache": registry name, "batch_size": n}`` for transformers' ``generate``
+        (:func:`kvlib.plan_engines.transformers_kwargs`; :meth:`transformers_cache` builds it).
 
         Raises:
-            ValueError: the request does not fit, or a quantized setting for a model with
-                sliding-window layers (transformers' ``QuantizedCache`` refuses those).
+            ValueError: not one sequence fits at any level transformers runs, or a CPU plan.
         """
         return plan_engines.transformers_kwargs(self, hint=self._hint)
 
+    def transformers_cache(self, config: Any) -> Any:
+        """A fresh cache of :meth:`to_transformers`'s type for ``config`` (``model.config``), to
+        pass as ``model.generate(..., past_key_values=cache)``."""
+        return cache_registry.make_cache(self.to_transformers()["cache"], config)
+
     def to_vllm(self) -> dict[str, Any]:
         """Engine arguments for ``vllm.LLM(model, **plan.to_vllm())`` / ``vllm serve``
-        (:func:`kvlib.plan_engines.vllm_args`; int4/int2 map to fp8, recounted)."""
+        (:func:`kvlib.plan_engines.vllm_args`: ``auto`` or ``fp8``, with what fits at it)."""
         return plan_engines.vllm_args(self, hint=self._hint)
 
     def to_llama_cpp(self) -> dict[str, Any]:
@@ -98,7 +102,7 @@ class Plan(Decision):
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict: every field, the budget, and the engine settings."""
-        internal = ("spec", "budget", "results", "sequences_by_setting")
+        internal = ("spec", "budget", "results", "sequences_by_setting", "options")
         out = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -111,13 +115,18 @@ class Plan(Decision):
         out["budget"] = dataclasses.asdict(self.budget)
         out["fits"] = self.fits
         out["buys"] = self.buys
-        if self.kv is not None:
-            out["vllm"] = self.to_vllm()
-            out["llama_cpp"] = self.to_llama_cpp()
+        out["sequences_by_setting"] = dict(self.sequences_by_setting)
+        out["options"] = {e: dataclasses.asdict(o) for e, o in self.options.items()}
+        settings = {
+            "transformers": self.to_transformers,
+            "vllm": self.to_vllm,
+            "llama_cpp": self.to_llama_cpp,
+        }
+        for key, settings_of in settings.items():
             try:
-                out["transformers"] = self.to_transformers()
+                out[key] = settings_of()
             except ValueError as exc:
-                out["transformers"] = {"unsupported": str(exc)}
+                out[key] = {"unsupported": str(exc)}
         return out
 
 

@@ -18,28 +18,32 @@ in order:
                                                     hidden size × 16 live fp16 values per token
        KV budget = usable − weights − overhead
 
-2. **KV per sequence** at the requested context, :func:`kv_sequence_bytes`: the cache one GPU
+2. **Engine**, :func:`choose_engine`: the engines that suit the traffic, in order
+   (:func:`engine_candidates`): several GPUs → vLLM (tensor parallelism); several sequences on
+   one GPU → vLLM (paged blocks, continuous batching), then llama.cpp (``-np`` slots); one
+   sequence on one GPU → transformers with kvlib's cache, then vLLM, then llama.cpp; CPU →
+   llama.cpp. Each engine runs only its own KV types (:mod:`kvlib.engines`): vLLM fp16 or fp8,
+   llama.cpp f16, q8_0 or q4_0, transformers with kvlib's cache fp16 to int2 (full-attention
+   models only). The plan takes the first engine whose types hold the whole request (rule 4 run
+   for each), else the one that holds the most sequences.
+
+3. **KV per sequence** at the requested context, :func:`kv_sequence_bytes`: the cache one GPU
    holds (:func:`gpu_share`: each of ``tp`` GPUs holds ``ceil(kv_heads / tp)`` of the KV heads,
    at least one, so heads are replicated when tp > kv_heads; an MLA latent is replicated on every
-   GPU), sized by :func:`kvlib.memory.kv_cache_bytes` (sliding windows and MLA included) at each
-   setting's *effective* bits per element — the codes plus their metadata: fp16 16, int8 8.5,
-   int4 4.5, int2 2.5 (one fp16 scale and one fp16 zero point per group of 64 = +0.5 bit; the
-   same size as llama.cpp's q8_0/q4_0, which keep one fp16 scale per block of 32 values and no
-   zero point).
+   GPU), sized by :func:`kvlib.memory.kv_cache_bytes` (sliding windows and MLA included) at the
+   engine type's bits *and metadata*: vLLM's fp8 8 bits; llama.cpp's q8_0 / q4_0 8.5 / 4.5 (one
+   fp16 scale per block of 32 values); kvlib's caches one fp16 scale and zero point per group.
 
-3. **Setting**, :func:`choose_setting`: the highest-precision setting, among those the
-   ``quality`` level allows, whose cache for ``concurrency`` sequences at the full context fits
-   the KV budget: ``"max"`` fp16 only; ``"balanced"`` fp16 → int8 → int4; ``"aggressive"`` … →
-   int2. If none fits all sequences, the lowest allowed setting and the number of sequences it
-   does fit (status ``"reduced"``); if not even one sequence fits, or the weights alone do not,
-   status ``"impossible"``, and :func:`fallbacks` finds what would fit (fewer tokens, the next
-   quality level, lower weight bits, more GPUs, or both, or how much memory).
-
-4. **Engine and extras**, :func:`choose_engine` and :func:`idle_storage`: more than one sequence
-   or more than one GPU → a serving engine with paging (vLLM: continuous batching,
-   PagedAttention, tensor parallelism); CPU → llama.cpp; one sequence on one GPU → transformers.
-   Eight or more concurrent conversations → also store idle conversations compressed (PCA
-   transform coding, :mod:`kvlib.kvtc`) rather than holding their fp16 cache or recomputing it.
+4. **Setting**, :func:`choose_setting`: the highest-precision level, among those the ``quality``
+   level allows *and the engine runs*, whose cache for ``concurrency`` sequences at the full
+   context fits the KV budget: ``"max"`` fp16 only; ``"balanced"`` fp16 → int8 → int4;
+   ``"aggressive"`` … → int2. If none fits all sequences, the lowest such level and the number
+   of sequences it does fit (status ``"reduced"``); if not even one sequence fits, or the
+   weights alone do not, status ``"impossible"``, and :func:`fallbacks` finds what would fit
+   (fewer tokens, the next quality level, lower weight bits, more GPUs, or both, or how much
+   memory). The same rule, run for every engine, gives the plan's alternatives
+   (:attr:`Decision.options`). Eight or more concurrent conversations → also store idle
+   conversations compressed (PCA transform coding, :mod:`kvlib.kvtc`), :func:`idle_storage`.
 
 The plan is worst-case: every sequence at the full context at once. Real traffic is shorter, and
 a paged engine admits more sequences than this count; the count is what is *guaranteed*.
@@ -52,7 +56,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvlib import memory
+from kvlib import engines, memory
+from kvlib.engines import EngineKV
 from kvlib.memory import GIB
 from kvlib.specs import ModelSpec
 
@@ -70,11 +75,13 @@ __all__ = [
     "VLLM_BLOCK_SIZE",
     "WEIGHT_BITS",
     "Decision",
+    "EngineOption",
     "Fallbacks",
     "KVSetting",
     "MemoryBudget",
     "Storage",
     "choose_engine",
+    "engine_candidates",
     "choose_setting",
     "context_that_fits",
     "decide",
@@ -82,6 +89,7 @@ __all__ = [
     "gpu_share",
     "idle_storage",
     "kv_sequence_bytes",
+    "kv_types",
     "memory_budget",
     "sequences_that_fit",
     "storage",
@@ -111,58 +119,24 @@ TP_CANDIDATES = (2, 4, 8)
 
 @dataclass(frozen=True)
 class KVSetting:
-    """One KV-cache precision and how each engine stores it.
+    """One precision level of the quality ladder.
 
-    Bytes come from :func:`kvlib.memory.kv_cache_bytes` with ``(bits, group_size)``: group-wise
-    integer codes keep one fp16 scale and one fp16 zero point per group of 64 values (+0.5 bit
-    per value) — the same size as llama.cpp's q8_0 / q4_0 (one fp16 scale per 32 values).
-    vLLM's fp8 cache has one scale per tensor (no per-group metadata).
+    What each engine stores at this level, and how many bytes that takes, is in
+    :mod:`kvlib.engines`; ``cache_name`` is the :mod:`kvlib.cache_registry` cache that measures
+    the level in ``kvlib/results.json``.
     """
 
     name: str
     bits: int
-    group_size: int | None
     cache_name: str
-    vllm_dtype: str
-    llama_cpp_type: str
-    llama_cpp_bits: int
     description: str
-
-    @property
-    def effective_bits(self) -> float:
-        """Bits per cached value including the per-group scale and zero point."""
-        return self.bits + (32 / self.group_size if self.group_size else 0)
-
-    @property
-    def vllm_bits(self) -> int:
-        return 16 if self.vllm_dtype == "auto" else 8
 
 
 KV_SETTINGS: dict[str, KVSetting] = {
-    "fp16": KVSetting(
-        "fp16", 16, None, "dynamic-fp16", "auto", "f16", 16, "full precision (fp16/bf16)"
-    ),
-    "int8": KVSetting("int8", 8, 64, "kvlib-int8", "fp8", "q8_0", 8, "8-bit (int8 / fp8 / q8_0)"),
-    "int4": KVSetting(
-        "int4",
-        4,
-        64,
-        "kvlib-int4",
-        "fp8",
-        "q4_0",
-        4,
-        "4-bit, keys per channel, values per token (KIVI recipe)",
-    ),
-    "int2": KVSetting(
-        "int2",
-        2,
-        64,
-        "kvlib-int2",
-        "fp8",
-        "q4_0",
-        4,
-        "2-bit, keys per channel, values per token (KIVI recipe)",
-    ),
+    "fp16": KVSetting("fp16", 16, "dynamic-fp16", "full precision (fp16/bf16)"),
+    "int8": KVSetting("int8", 8, "kvlib-int8", "8-bit"),
+    "int4": KVSetting("int4", 4, "kvlib-int4", "4-bit"),
+    "int2": KVSetting("int2", 2, "kvlib-int2", "2-bit"),
 }
 
 #: Which settings each quality level may use, highest precision first.
@@ -172,14 +146,32 @@ QUALITY_LADDER: dict[str, tuple[str, ...]] = {
     "aggressive": ("fp16", "int8", "int4", "int2"),
 }
 
-#: How a cache is stored: ``(bits, group_size)``, as :func:`kvlib.memory.kv_cache_bytes` takes it.
-Storage = tuple[int, int | None]
+#: How a cache is stored: ``(bits, group_size, group_meta_bits)``, as
+#: :func:`kvlib.memory.kv_cache_bytes` takes them.
+Storage = tuple[int, int | None, int]
 
 
-def storage(setting: str) -> Storage:
-    """``(bits, group_size)`` of a :data:`KV_SETTINGS` name: ``storage("int4") == (4, 64)``."""
-    s = KV_SETTINGS[setting]
-    return (s.bits, s.group_size)
+def kv_types(engine: str, spec: ModelSpec) -> dict[str, EngineKV]:
+    """The KV type ``engine`` uses at each level it can run for ``spec``, highest first
+    (:func:`kvlib.engines.planned`; kvlib's quantized caches take full-attention models only,
+    so transformers runs a model with sliding-window layers at fp16)."""
+    types = engines.planned(engine)
+    if engine == "transformers" and spec.num_sliding_layers > 0:
+        return {"fp16": types["fp16"]}
+    return types
+
+
+def storage(setting: str, engine: str = "llama.cpp") -> Storage:
+    """``(bits, group_size, group_meta_bits)`` of a level on an engine:
+    ``storage("int4", "llama.cpp") == (4, 32, 16)`` (q4_0).
+
+    Raises:
+        ValueError: the engine has no KV type at that level.
+    """
+    types = engines.planned(engine)
+    if setting not in types:
+        raise ValueError(f"{engine} has no {setting} KV cache (it runs {', '.join(types)})")
+    return types[setting].storage
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,10 +270,12 @@ def gpu_share(spec: ModelSpec, tp: int) -> ModelSpec:
 
 
 def kv_sequence_bytes(spec: ModelSpec, context_len: int, store: Storage, tp: int = 1) -> int:
-    """Rule 2: bytes one sequence of ``context_len`` tokens keeps on each GPU, stored as
-    ``store = (bits, group_size)``."""
-    bits, group = store
-    return memory.kv_cache_bytes(gpu_share(spec, tp), context_len, 1, bits, group_size=group)
+    """Rule 3: bytes one sequence of ``context_len`` tokens keeps on each GPU, stored as
+    ``store = (bits, group_size, group_meta_bits)``."""
+    bits, group, meta = store
+    return memory.kv_cache_bytes(
+        gpu_share(spec, tp), context_len, 1, bits, group_size=group, group_meta_bits=meta
+    )
 
 
 def _as_memory(share: ModelSpec, kv_budget: int) -> int:
@@ -302,9 +296,15 @@ def sequences_that_fit(
     if kv_budget <= 0:
         return 0
     share = gpu_share(spec, tp)
-    bits, group = store
+    bits, group, meta = store
     return memory.max_batch(
-        share, _as_memory(share, kv_budget), context_len, bits, 16, group_size=group
+        share,
+        _as_memory(share, kv_budget),
+        context_len,
+        bits,
+        16,
+        group_size=group,
+        group_meta_bits=meta,
     )
 
 
@@ -317,26 +317,33 @@ def context_that_fits(
     if kv_budget <= 0:
         return 0
     share = gpu_share(spec, tp)
-    bits, group = store
+    bits, group, meta = store
     return memory.max_context(
-        share, _as_memory(share, kv_budget), concurrency, bits, 16, group_size=group
+        share,
+        _as_memory(share, kv_budget),
+        concurrency,
+        bits,
+        16,
+        group_size=group,
+        group_meta_bits=meta,
     )
 
 
 # --------------------------------------------------------------------------------------------
-# 3. and 4. the setting, the engine, idle storage
+# 2. and 4. the engine, the setting, idle storage
 
 
 def choose_setting(
     fits: Mapping[str, int], quality: str, concurrency: int
 ) -> tuple[str | None, str]:
-    """Rule 3: ``(setting, status)`` from the sequences each setting fits at the full context.
+    """Rule 4: ``(setting, status)`` from the sequences each level fits at the full context
+    (``fits`` holds the levels the engine runs).
 
     The highest precision the ``quality`` level allows that fits ``concurrency`` sequences →
     ``"ok"``; else the lowest allowed if it fits one → ``"reduced"``; else ``(None,
     "impossible")``.
     """
-    ladder = QUALITY_LADDER[quality]
+    ladder = [name for name in QUALITY_LADDER[quality] if name in fits]
     for name in ladder:
         if fits[name] >= concurrency:
             return name, "ok"
@@ -345,18 +352,40 @@ def choose_setting(
     return None, "impossible"
 
 
-def choose_engine(device: str, concurrency: int, tp: int) -> str:
-    """Rule 4: ``"llama.cpp"`` on CPU, ``"vllm"`` for several sequences or GPUs, else
-    ``"transformers"``."""
+def engine_candidates(device: str, concurrency: int, tp: int) -> tuple[str, ...]:
+    """The engines that can serve a request, in the order the traffic prefers them: on a CPU
+    llama.cpp; on several GPUs vLLM (tensor parallelism); several sequences on one GPU vLLM (paged
+    blocks, continuous batching), then llama.cpp (``-np`` slots); one sequence on one GPU
+    transformers (kvlib's cache in ``generate()``), then vLLM, then llama.cpp."""
     if device == "cpu":
-        return "llama.cpp"
-    if concurrency > 1 or tp > 1:
-        return "vllm"
-    return "transformers"
+        return ("llama.cpp",)
+    if tp > 1:
+        return ("vllm",)
+    if concurrency > 1:
+        return ("vllm", "llama.cpp")
+    return ("transformers", "vllm", "llama.cpp")
+
+
+def choose_engine(
+    device: str,
+    concurrency: int,
+    tp: int,
+    options: Mapping[str, EngineOption] | None = None,
+) -> str:
+    """Rule 2: the first of :func:`engine_candidates` whose KV types hold the whole request
+    (``options[engine].status == "ok"``); if none does, the one that fits the most sequences
+    (the earlier on a tie). Without ``options``, the first candidate."""
+    candidates = engine_candidates(device, concurrency, tp)
+    if not options:
+        return candidates[0]
+    for engine in candidates:
+        if options[engine].status == "ok":
+            return engine
+    return max(candidates, key=lambda e: (options[e].sequences, -candidates.index(e)))
 
 
 def idle_storage(concurrency: int, kv: str | None) -> str | None:
-    """Rule 4: ``"pca"`` (compressed idle conversations) from :data:`IDLE_STORAGE_MIN_SESSIONS`
+    """Rule 4 (extras): ``"pca"`` (compressed idle conversations) from :data:`IDLE_STORAGE_MIN_SESSIONS`
     conversations on, when the request fits at all; else None."""
     return "pca" if concurrency >= IDLE_STORAGE_MIN_SESSIONS and kv else None
 
@@ -365,12 +394,77 @@ def idle_storage(concurrency: int, kv: str | None) -> str | None:
 # the decision
 
 
-def _fits(spec: ModelSpec, budget: MemoryBudget, context_len: int, tp: int) -> dict[str, int]:
+def _available(device: str, tp: int) -> tuple[str, ...]:
+    """Engines a plan gives settings for: llama.cpp on a CPU, vLLM across GPUs, all three on
+    one GPU."""
+    if device == "cpu":
+        return ("llama.cpp",)
+    return ("vllm",) if tp > 1 else engines.ENGINES
+
+
+def _fits(
+    spec: ModelSpec, budget: MemoryBudget, context_len: int, tp: int, engine: str
+) -> dict[str, int]:
+    """Sequences each level ``engine`` runs fits at the full context, highest level first."""
     kv_budget = budget.kv_budget_bytes
     return {
-        name: sequences_that_fit(spec, kv_budget, context_len, storage(name), tp)
-        for name in KV_SETTINGS
+        name: sequences_that_fit(spec, kv_budget, context_len, t.storage, tp)
+        for name, t in kv_types(engine, spec).items()
     }
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """What one engine can do for a request: the rule of :func:`choose_setting` run on the KV
+    types it has (:func:`kv_types`).
+
+    Attributes:
+        engine: one of :data:`kvlib.engines.ENGINES`.
+        kv: the level chosen, or None when not one sequence fits at any level it runs.
+        kv_type: the engine's KV type at that level (``"fp8"``, ``"q4_0"``, ``"kvlib-int4"``).
+        status: ``"ok"``, ``"reduced"`` or ``"impossible"``, as for the plan.
+        sequences: sequences of the full context that type fits (0 when impossible).
+        max_context: longest context at which all requested sequences fit at that type.
+        effective_bits: bits per cached value of that type, metadata included.
+    """
+
+    engine: str
+    kv: str | None
+    kv_type: str | None
+    status: str
+    sequences: int
+    max_context: int
+    effective_bits: float | None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences this engine's settings provision for (what fits, at most the request)."""
+        return self.sequences
+
+
+def _option(
+    spec: ModelSpec,
+    budget: MemoryBudget,
+    context_len: int,
+    concurrency: int,
+    quality: str,
+    tp: int,
+    engine: str,
+) -> EngineOption:
+    fits = _fits(spec, budget, context_len, tp, engine)
+    kv, status = choose_setting(fits, quality, concurrency)
+    if kv is None:
+        return EngineOption(engine, None, None, status, 0, 0, None)
+    t = kv_types(engine, spec)[kv]
+    return EngineOption(
+        engine=engine,
+        kv=kv,
+        kv_type=t.name,
+        status=status,
+        sequences=min(concurrency, fits[kv]),
+        max_context=context_that_fits(spec, budget.kv_budget_bytes, concurrency, t.storage, tp),
+        effective_bits=t.effective_bits,
+    )
 
 
 @dataclass(frozen=True)
@@ -383,8 +477,11 @@ class Decision:
     figures are per device (per GPU under tensor parallelism); ``max_*`` figures are at the
     chosen setting (at the lowest allowed one for ``kv_bytes_per_sequence`` when none is chosen),
     ``*_fp16`` at fp16 for comparison. ``gpu_memory_gb`` is in GiB, as GPUs are labelled (an
-    "80 GB" H100 holds 80 GiB). ``sequences_by_setting``: sequences each of :data:`KV_SETTINGS`
-    fits at the full context.
+    "80 GB" H100 holds 80 GiB). ``kv`` is the level, ``kv_type`` the engine's own type at that
+    level (``"fp8"`` on vLLM, ``"q4_0"`` on llama.cpp, ``"kvlib-int4"`` on transformers); every
+    count is at that type's bytes. ``sequences_by_setting``: sequences each level the engine runs
+    fits at the full context. ``options``: the same rule for every engine
+    (:class:`EngineOption`), so each engine's settings carry their own counts.
     """
 
     model: str
@@ -398,6 +495,7 @@ class Decision:
     weight_bits: int
     status: str
     kv: str | None
+    kv_type: str | None
     engine: str
     paging: bool
     idle_storage: str | None
@@ -410,6 +508,7 @@ class Decision:
     max_context: int
     max_context_fp16: int
     sequences_by_setting: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
+    options: Mapping[str, EngineOption] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -427,8 +526,13 @@ class Decision:
 
     @property
     def lowest_setting(self) -> str:
-        """The lowest-precision setting the quality level allows."""
-        return QUALITY_LADDER[self.quality][-1]
+        """The lowest-precision level the quality level allows and the engine runs."""
+        return [n for n in QUALITY_LADDER[self.quality] if n in self.sequences_by_setting][-1]
+
+    @property
+    def kv_storage(self) -> EngineKV | None:
+        """The engine's KV type the plan uses (None when nothing fits)."""
+        return kv_types(self.engine, self.spec)[self.kv] if self.kv else None
 
 
 def decide(
@@ -450,11 +554,18 @@ def decide(
     """
     tp = num_gpus
     budget = memory_budget(spec, device, gpu_memory_gb, weight_bits, tp)
-    fits = _fits(spec, budget, context_len, tp)
+    options = {
+        e: _option(spec, budget, context_len, concurrency, quality, tp, e)
+        for e in engines.ENGINES
+        if e in _available(device, tp)
+    }
+    engine = choose_engine(device, concurrency, tp, options)
+    types = kv_types(engine, spec)
+    fits = _fits(spec, budget, context_len, tp, engine)
     kv, status = choose_setting(fits, quality, concurrency)
-    shown = kv or QUALITY_LADDER[quality][-1]
+    shown = kv or [n for n in QUALITY_LADDER[quality] if n in fits][-1]
+    store, fp16 = types[shown].storage, types["fp16"].storage
     kv_budget = budget.kv_budget_bytes
-    engine = choose_engine(device, concurrency, tp)
     return Decision(
         model=model if model is not None else (spec.name or "custom model"),
         spec=spec,
@@ -467,20 +578,20 @@ def decide(
         weight_bits=weight_bits,
         status=status,
         kv=kv,
+        kv_type=types[kv].name if kv else None,
         engine=engine,
         paging=engine == "vllm",
         idle_storage=idle_storage(concurrency, kv),
         tensor_parallel_size=tp,
         budget=budget,
-        kv_bytes_per_sequence=kv_sequence_bytes(spec, context_len, storage(shown), tp),
-        kv_bytes_per_sequence_fp16=kv_sequence_bytes(spec, context_len, storage("fp16"), tp),
+        kv_bytes_per_sequence=kv_sequence_bytes(spec, context_len, store, tp),
+        kv_bytes_per_sequence_fp16=kv_sequence_bytes(spec, context_len, fp16, tp),
         max_concurrency=fits[shown] if kv else 0,
         max_concurrency_fp16=fits["fp16"],
-        max_context=context_that_fits(spec, kv_budget, concurrency, storage(shown), tp)
-        if kv
-        else 0,
-        max_context_fp16=context_that_fits(spec, kv_budget, concurrency, storage("fp16"), tp),
+        max_context=context_that_fits(spec, kv_budget, concurrency, store, tp) if kv else 0,
+        max_context_fp16=context_that_fits(spec, kv_budget, concurrency, fp16, tp),
         sequences_by_setting=fits,
+        options=options,
     )
 
 
@@ -528,9 +639,13 @@ def _whole_request_with(
     it then fits; else None."""
     tp = tp or d.tensor_parallel_size
     budget = memory_budget(d.spec, d.device, d.gpu_memory_gb, weight_bits or d.weight_bits, tp)
-    fits = _fits(d.spec, budget, d.context_len, tp)
-    kv, status = choose_setting(fits, quality or d.quality, d.concurrency)
-    return kv if status == "ok" else None
+    q = quality or d.quality
+    for engine in engine_candidates(d.device, d.concurrency, tp):
+        fits = _fits(d.spec, budget, d.context_len, tp, engine)
+        kv, status = choose_setting(fits, q, d.concurrency)
+        if status == "ok":
+            return kv
+    return None
 
 
 def fallbacks(d: Decision) -> Fallbacks:
@@ -559,11 +674,10 @@ def fallbacks(d: Decision) -> Fallbacks:
             if kv := _whole_request_with(d, tp=n, weight_bits=wb):
                 by_both = (n, wb, kv)
                 break
-    per_seq = kv_sequence_bytes(d.spec, d.context_len, storage(lowest), tp)
+    store = kv_types(d.engine, d.spec)[lowest].storage
+    per_seq = kv_sequence_bytes(d.spec, d.context_len, store, tp)
     need = d.budget.weights_bytes + d.budget.overhead_bytes + per_seq * d.concurrency
-    shorter = context_that_fits(
-        d.spec, d.budget.kv_budget_bytes, d.concurrency, storage(lowest), tp
-    )
+    shorter = context_that_fits(d.spec, d.budget.kv_budget_bytes, d.concurrency, store, tp)
     if d.spec.max_position_embeddings:  # memory may allow more than the model was trained on
         shorter = min(shorter, d.spec.max_position_embeddings)
     return Fallbacks(

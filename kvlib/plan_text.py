@@ -15,6 +15,7 @@ from typing import Any
 
 from kvlib import memory
 from kvlib import results as kvresults
+from kvlib.engines import EngineKV
 from kvlib.plan_rule import (
     KV_SETTINGS,
     QUALITY_LADDER,
@@ -22,9 +23,12 @@ from kvlib.plan_rule import (
     VLLM_BLOCK_SIZE,
     Decision,
     Fallbacks,
+    engine_candidates,
+    kv_types,
 )
 
 __all__ = [
+    "alternatives",
     "buys",
     "fmt_tokens",
     "quality_note",
@@ -57,14 +61,26 @@ def results_to_cite(
     return dict(results)
 
 
+def _label(t: EngineKV) -> str:
+    """How a plan names an engine's KV type: ``fp16`` for the full-precision ones (vLLM's
+    ``auto``, llama.cpp's ``f16``), else the engine's own name (``fp8``, ``q4_0``)."""
+    return "fp16" if t.level == "fp16" else t.name
+
+
 def _fmt_pct(x: float) -> str:
     return f"{x:+.3g} %"
 
 
-def quality_note(setting: str, results: Mapping[str, Any]) -> str:
-    """One line: the measured cost of a KV setting (its :data:`KV_SETTINGS` cache, by registry
-    name, in the cache benchmark's run) or of ``"pca"`` storage (the cross-layer rows of the PCA
-    run), or that it is not measured. Never invents a number.
+def quality_note(
+    setting: str,
+    results: Mapping[str, Any],
+    cache_name: str | None = None,
+    label: str | None = None,
+) -> str:
+    """One line: the measured cost of a KV setting (``cache_name``, else the level's
+    :data:`KV_SETTINGS` cache, by registry name, in the cache benchmark's run) or of ``"pca"``
+    storage (the cross-layer rows of the PCA run), or that it is not measured; ``label`` names
+    the setting in the line (default ``setting``). Never invents a number.
 
     Raises:
         ValueError: an unknown setting.
@@ -89,7 +105,7 @@ def quality_note(setting: str, results: Mapping[str, Any]) -> str:
         raise ValueError(
             f"setting must be one of {', '.join([*KV_SETTINGS, 'pca'])} (got {setting!r})"
         )
-    name = KV_SETTINGS[setting].cache_name
+    name = cache_name or KV_SETTINGS[setting].cache_name
     cost = kvresults.cache_cost(name, results)
     run = kvresults.run("cache", results)
     if setting == "fp16" and "perplexity" not in cost:
@@ -101,9 +117,10 @@ def quality_note(setting: str, results: Mapping[str, Any]) -> str:
         parts.append(f"{_fmt_pct(cost['perplexity_delta_pct_mean'])} on average over segments")
     if "x_smaller_than_fp16" in cost:
         parts.append(f"{cost['x_smaller_than_fp16']:.3g}× smaller than fp16")
+    head = name if label == name else f"{label or setting} ({name})"
     if not parts:
-        return f"{setting}: quality cost not measured yet (benchmarks/bench_cache.py)"
-    return f"{setting} ({name}): {', '.join(parts)} {kvresults.provenance(run)}"
+        return f"{head}: quality cost not measured yet (benchmarks/bench_cache.py)"
+    return f"{head}: {', '.join(parts)} {kvresults.provenance(run)}"
 
 
 def fmt_tokens(n: int) -> str:
@@ -129,7 +146,8 @@ def _why_setting(d: Decision) -> list[str]:
     if d.kv is None:
         return [
             f"one sequence of {d.context_len:,} tokens needs {h(d.kv_bytes_per_sequence)}{per} "
-            f"even at {d.lowest_setting}, but only {h(b.kv_budget_bytes)} is left for the KV cache"
+            f"even at {_label(kv_types(d.engine, d.spec)[d.lowest_setting])}, but only "
+            f"{h(b.kv_budget_bytes)} is left for the KV cache"
         ]
     need = h(d.concurrency * d.kv_bytes_per_sequence_fp16)
     if d.kv == "fp16":
@@ -137,22 +155,30 @@ def _why_setting(d: Decision) -> list[str]:
             f"{d.concurrency} × {d.context_len:,} tokens at fp16 need {need}{per}, within the "
             f"{h(b.kv_budget_bytes)} left for the KV cache: no need to quantize"
         ]
-    ladder = QUALITY_LADDER[d.quality]
+    ladder = [n for n in QUALITY_LADDER[d.quality] if n in fits]
     higher = ladder[: ladder.index(d.kv)]
+    types = kv_types(d.engine, d.spec)
     return [
         f"{d.concurrency} × {d.context_len:,} tokens need {need}{per} at fp16 but only "
         f"{h(b.kv_budget_bytes)} is left; "
-        + ", ".join(f"{n} fits {fits[n]}" for n in higher)
-        + f"; {d.kv} fits {fits[d.kv]}"
+        + ", ".join(f"{_label(types[n])} fits {fits[n]}" for n in higher)
+        + f"; {_label(types[d.kv])} fits {fits[d.kv]}"
     ]
 
 
 def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
     """The measured cost of the chosen setting (and of its rotated variant, when measured)."""
-    if d.kv is None:
+    t = d.kv_storage
+    if t is None:
         return []
-    out = [quality_note(d.kv, results)]
-    if d.kv in ("int4", "int2"):
+    if t.measured_as is not None:
+        out = [quality_note(d.kv, results, t.measured_as, label=_label(t))]
+    else:
+        out = [
+            f"{d.kv_type} ({d.engine}) is not measured here; the same bits in kvlib's layout, "
+            + quality_note(d.kv, results)
+        ]
+    if d.engine == "transformers" and d.kv in ("int4", "int2"):
         rot = kvresults.cache_cost(f"kvlib-{d.kv}-rot", results)
         if "perplexity_delta_pct" in rot:
             out.append(
@@ -174,11 +200,34 @@ def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
             f"{VLLM_BLOCK_SIZE} tokens wastes under 4 % of the cache instead of reserving "
             "max-length buffers, batches continuously"
             + (f", and splits the model over {tp} GPUs (tensor parallelism)" if tp > 1 else "")
+            + "; its KV cache goes down to fp8 (no 4- or 2-bit type)"
         ]
+    elif d.engine == "llama.cpp" and d.device == "cpu":
+        out = ["CPU: llama.cpp (GGUF weights, KV cache types f16, q8_0, q4_0, flash attention)"]
     elif d.engine == "llama.cpp":
-        out = ["CPU: llama.cpp (GGUF weights, quantized KV cache types, flash attention)"]
+        out = [
+            f"several sequences on one GPU: llama.cpp serves them in {d.num_sequences} "
+            "parallel slots (-np), each reserving its full context (no paging); its KV types go "
+            "down to q4_0"
+        ]
     else:
-        out = ["one sequence on one GPU: transformers generate() with the cache below"]
+        out = ["one sequence on one GPU: transformers generate() with kvlib's cache below"]
+    preferred = engine_candidates(d.device, d.concurrency, tp)
+    passed = preferred[: preferred.index(d.engine)]
+    if passed:
+        out.insert(
+            0,
+            "; ".join(
+                f"{e} cannot hold the whole request"
+                + (
+                    f" ({d.options[e].kv_type} fits {d.options[e].sequences} of {d.concurrency})"
+                    if d.options[e].kv
+                    else " (not one sequence fits)"
+                )
+                for e in passed
+            )
+            + f", so {d.engine}",
+        )
     if d.idle_storage:
         out.append(
             f"{d.concurrency} conversations: between turns, keep idle caches compressed with PCA "
@@ -194,7 +243,8 @@ def reasons(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     out = _why_setting(d) + _why_measured(d, results)
     if d.status == "reduced":
         out.append(
-            f"even at {d.lowest_setting} (the lowest that quality={d.quality!r} allows) only "
+            f"even at {_label(kv_types(d.engine, d.spec)[d.lowest_setting])} (the lowest "
+            f"{d.engine} runs that quality={d.quality!r} allows) only "
             f"{d.sequences_by_setting[d.lowest_setting]} of {d.concurrency} sequences fit at "
             "the full context"
         )
@@ -208,8 +258,9 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     spec, tp = d.spec, d.tensor_parallel_size
     if d.kv == "int4":
         out.append(
-            "4-bit keys need per-channel statistics (outlier channels); check quality on your own "
-            "model and task — the measured figure is from a small model"
+            "4-bit keys suffer from outlier channels (kvlib's cache keeps per-channel key "
+            "statistics; llama.cpp's q4_0 quantizes each key in blocks of 32); check quality on "
+            "your own model and task — the measured figure is from a small model"
         )
     if d.kv == "int2":
         delta = kvresults.cache_cost("kvlib-int2", results).get("perplexity_delta_pct")
@@ -218,14 +269,10 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
             + (f" (measured {_fmt_pct(delta)} perplexity)" if delta is not None else "")
             + "; keep recent tokens in full precision and evaluate before serving"
         )
-    if d.kv in ("int4", "int2"):
+    if spec.num_sliding_layers > 0 and "transformers" in d.options:
         out.append(
-            f"vLLM has no {d.kv} KV cache: its flags use fp8 (recounted); llama.cpp's lowest is q4_0"
-        )
-    if spec.num_sliding_layers > 0 and d.kv not in (None, "fp16"):
-        out.append(
-            "sliding-window layers: transformers' QuantizedCache refuses this model; use vLLM or "
-            "kvlib's cache"
+            "sliding-window layers: kvlib's quantized cache (and transformers' QuantizedCache) "
+            "take full-attention models only, so on transformers this model runs an fp16 cache"
         )
     if spec.is_mla and tp > 1:
         out.append(
@@ -265,15 +312,19 @@ def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
     if d.fits:
         return ()
     lowest, n = d.lowest_setting, d.concurrency
+    lowest_type = _label(kv_types(d.engine, d.spec)[lowest])
     out: list[str] = []
     if d.kv is not None:
         out.append(
             f"{d.sequences_by_setting[lowest]} concurrent "
-            f"{_sequences(d.sequences_by_setting[lowest])} at {d.context_len:,} tokens with {lowest}"
+            f"{_sequences(d.sequences_by_setting[lowest])} at {d.context_len:,} tokens with "
+            f"{lowest_type}"
         )
     if fb.context_len > 0:
         cap = " (the model's maximum)" if fb.context_len == d.spec.max_position_embeddings else ""
-        out.append(f"{n} {_sequences(n)} at up to {fb.context_len:,} tokens{cap} with {lowest}")
+        out.append(
+            f"{n} {_sequences(n)} at up to {fb.context_len:,} tokens{cap} with {lowest_type}"
+        )
     if fb.quality:
         out.append(f"quality={fb.quality[0]!r}: the whole request with {fb.quality[1]}")
     if fb.weight_bits:
@@ -292,7 +343,25 @@ def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
             out.append(f"num_gpus={g} with weight_bits={wb}: the whole request with {kv}")
     tp = d.tensor_parallel_size
     what = f"{tp} GPUs of" if tp > 1 else ("RAM of" if d.device == "cpu" else "a GPU with")
-    out.append(f"{what} at least {fb.memory_gib:.3g} GiB: the whole request with {lowest}")
+    out.append(f"{what} at least {fb.memory_gib:.3g} GiB: the whole request with {lowest_type}")
+    return tuple(out)
+
+
+def alternatives(d: Decision) -> tuple[str, ...]:
+    """One line per other engine: the KV type it would run and how many sequences fit at it
+    (its :class:`~kvlib.plan_rule.EngineOption`, whose settings the plan also prints)."""
+    out = []
+    for engine, o in d.options.items():
+        if engine == d.engine:
+            continue
+        if o.kv is None:
+            out.append(f"{engine}: not one sequence fits at any KV type it runs")
+            continue
+        out.append(
+            f"{engine}: {o.kv_type} ({o.effective_bits:g} bits per value) fits {o.sequences} of "
+            f"{d.concurrency} {_sequences(d.concurrency)} at {d.context_len:,} tokens"
+            + (" (one process, no paging)" if engine == "transformers" else "")
+        )
     return tuple(out)
 
 
@@ -303,13 +372,13 @@ def buys(d: Decision) -> str:
     ctx, ctx16 = fmt_tokens(d.max_context), fmt_tokens(d.max_context_fp16)
     if d.kv == "fp16":
         return (
-            f"fp16 needs no trade: {d.max_concurrency} sequences fit at "
+            f"fp16 needs no trade: {d.max_concurrency} {_sequences(d.max_concurrency)} fit at "
             f"{d.context_len:,} tokens, or {d.concurrency} at up to {ctx} tokens"
         )
     n, n16 = d.max_concurrency, d.max_concurrency_fp16
     gain = f"{n / n16:.3g}× as many" if n16 else "where fp16 fits none"
     return (
-        f"{d.kv} fits {n} sequences at {d.context_len:,} tokens against {n16} at fp16 "
+        f"{d.kv_type} fits {n} {_sequences(n)} at {d.context_len:,} tokens against {n16} at fp16 "
         f"({gain}), or {d.concurrency} at up to {ctx} tokens against {ctx16}"
     )
 
@@ -330,9 +399,10 @@ def summary(
         f"status: {d.status}"
         + (f" ({d.max_concurrency} of {d.concurrency} fit)" if d.status == "reduced" else ""),
     ]
-    if d.kv:
+    if d.kv and d.kv_storage:
         lines.append(
-            f"KV cache: {d.kv} — {KV_SETTINGS[d.kv].description}; engine {d.engine}"
+            f"KV cache: {d.kv_type} on {d.engine}, {d.kv_storage.effective_bits:g} bits per value"
+            + (" with its scales" if d.kv_storage.effective_bits != d.kv_storage.bits else "")
             + (", paged" if d.paging else "")
             + (", idle conversations stored with PCA" if d.idle_storage else "")
             + (f", tensor parallel {d.tensor_parallel_size}" if d.tensor_parallel_size > 1 else "")
@@ -349,4 +419,5 @@ def summary(
     lines += [f"why: {r}" for r in reasons]
     lines += [f"watch: {w}" for w in watch]
     lines += [f"would fit: {s}" for s in suggestions]
+    lines += [f"also: {a}" for a in alternatives(d)]
     return "\n".join(lines)

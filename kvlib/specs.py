@@ -227,6 +227,13 @@ class ModelSpec:
             raise ValueError(f"num_params is unknown for {self.name!r}; set it to size weights")
         return -(-self.num_params * bits // 8)
 
+    @property
+    def hub_id(self) -> str | None:
+        """The Hugging Face hub id the figures come from (``"meta-llama/Llama-3.1-8B"``), read
+        from ``source``; None when the source names none (a custom spec)."""
+        match = re.search(r"Hugging Face hub: ([\w.-]+/[\w.-]+)", self.source)
+        return match.group(1) if match else None
+
     def without_mla(self) -> ModelSpec:
         """The same model with plain per-head K/V instead of the MLA latent: what the cache
         would cost without MLA.

@@ -56,14 +56,28 @@ def test_memory_json_bits(capsys):
 
 
 def test_plan_text_and_json(capsys):
+    from kvlib import memory, specs
+
     argv = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24", "--context", "32k"]
     assert main([*argv, "--concurrency", "16"]) == 0
     out = capsys.readouterr().out
-    assert "vllm serve" in out and "--cache-type-k" in out
+    assert "vllm serve meta-llama/Llama-3.1-8B --kv-cache-dtype fp8" in out
+    assert "llama-server -m Llama-3.1-8B.gguf" in out and "--cache-type-k q4_0" in out
     assert "on 1 × 24 GiB GPU" in out and not re.search(r"\bGB\b", out)  # one unit: GiB
+    # transformers: kvlib's int4 cache (groups of 32, fp16 scale + zero point), as many as fit
+    assert main([*argv, "--concurrency", "16", "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]["kv_budget_bytes"]
+    int4 = memory.kv_cache_bytes(specs.get_spec("llama-3.1-8b"), 32768, 1, 4, group_size=32)
+    assert (
+        "transformers: model.generate(..., past_key_values=kvlib.cache_registry.make_cache("
+        f"'kvlib-int4', model.config)), batch of {min(16, budget // int4)}"
+    ) in out
     assert main([*argv, "--concurrency", "4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["kv"] == "int4" and d["vllm"]["max_model_len"] == 32768
+    assert (d["kv"], d["kv_type"], d["engine"]) == ("int4", "q4_0", "llama.cpp")
+    assert d["llama_cpp"]["-np"] == 4 and d["llama_cpp"]["-c"] == 4 * 32768
+    assert d["vllm"]["max_model_len"] == 32768 and d["vllm"]["kv_cache_dtype"] == "fp8"
+    assert d["transformers"]["cache"] == "kvlib-int4"
 
 
 def test_models(capsys):
@@ -152,17 +166,22 @@ def test_console_script_declared():
 def test_plan_cites_a_results_file(tmp_path, capsys, monkeypatch):
     path = tmp_path / "m.json"
     run = {"source": "bench", "command": "bench", "machine": "test", "model": "TinyTest-1M"}
-    run |= {"date": "2031-01-02", "rows": {"kvlib-int4": {"perplexity_delta_pct": 2.25}}}
+    rows = {"kvlib-int4": {"perplexity_delta_pct": 2.25}, "hf-fp8": {"perplexity_delta_pct": 0.5}}
+    run |= {"date": "2031-01-02", "rows": rows}
     path.write_text(json.dumps({"schema_version": 1, "runs": {"cache": run}}))
     argv = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24", "--context", "32k"]
-    argv += ["--concurrency", "4"]
+    argv += ["--concurrency", "4"]  # llama.cpp's q4_0: not measured, kvlib's int4 cited
     assert main([*argv, "--results", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "int4 (kvlib-int4): +2.25 % perplexity on TinyTest-1M, measured 2031-01-02" in out
+    assert "why: q4_0 (llama.cpp) is not measured" in out
+    assert "(kvlib-int4): +2.25 % perplexity on TinyTest-1M, measured 2031-01-02" in out
+    fp8 = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24", "--context", "16k"]
+    assert main([*fp8, "--concurrency", "4", "--results", str(path)]) == 0  # vLLM's fp8
+    assert "why: fp8 (hf-fp8): +0.5 % perplexity on TinyTest-1M" in capsys.readouterr().out
     monkeypatch.setenv("KVLIB_RESULTS", str(path))
     assert main([*argv, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert any("+2.25 %" in r for r in d["reasons"]) and d["buys"].startswith("int4 fits")
+    assert any("+2.25 %" in r for r in d["reasons"]) and d["buys"].startswith("q4_0 fits")
     assert main([*argv, "--results", str(tmp_path / "nope.json")]) == 1
     err = capsys.readouterr().err
     assert "does not exist" in err and len(err.strip().splitlines()) == 1

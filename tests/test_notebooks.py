@@ -362,3 +362,9 @@ def test_colab_cell_that_cannot_install_says_so_in_one_line(tmp_path: Path) -> N
     outputs = nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[1].outputs
     error = next(o for o in outputs if o.output_type == "error")
     assert len(error.traceback) == 1, error.traceback  # one line, no traceback
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_saved_widget_state(path: Path) -> None:
+    """Widget state saved by an interactive session is stale output nbval never compares."""
+    assert "widgets" not in nbformat.read(path, as_version=4).metadata

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import memory, plan_rule, specs
+from kvlib import engines, memory, plan_rule, specs
 from kvlib.plan import Plan, recommend
 from kvlib.results import RESULTS_ENV
 
@@ -39,6 +39,7 @@ MEAS = {
                     "perplexity_delta_pct": 0.8,
                     "x_smaller_than_fp16": 3.5,
                 },
+                "hf-fp8": {"perplexity": 10.05, "perplexity_delta_pct": 0.5},
             }
         )
     },
@@ -50,36 +51,82 @@ def meas(request):
     return MEAS if request.param == "measured" else {}
 
 
+def _fits(p, bits, group_size=None, group_meta_bits=0, tp=1):
+    """Sequences of the plan's context whose cache fits its KV budget, from kvlib.memory's bytes
+    (per GPU: ``tp`` GPUs split the KV heads)."""
+    one = memory.kv_cache_bytes(
+        p.spec, p.context_len, 1, bits, group_size=group_size, group_meta_bits=group_meta_bits
+    )
+    return max(p.budget.kv_budget_bytes, 0) // -(-one // tp)
+
+
 def test_8b_on_24gb_at_32k_one_user_keeps_fp16(meas):
     p = recommend("llama-3.1-8b", 24, 32768, results=meas)
-    assert (p.status, p.kv, p.engine) == ("ok", "fp16", "transformers")
-    assert p.to_transformers() == {"cache_implementation": "dynamic"}
-    assert p.to_llama_cpp()["--cache-type-k"] == "f16"
+    assert (p.status, p.kv, p.engine, p.kv_type) == ("ok", "fp16", "transformers", "dynamic-fp16")
+    assert p.to_transformers() == {"cache": "dynamic-fp16", "batch_size": 1}
+    assert p.to_llama_cpp()["--cache-type-k"] == "f16" and p.to_llama_cpp()["-fa"] == "auto"
+    assert p.to_vllm()["kv_cache_dtype"] == "auto" and p.to_vllm()["max_num_seqs"] == 1
+    assert [o.kv for o in p.options.values()] == ["fp16"] * 3  # every engine keeps fp16
 
 
 def test_8b_on_24gb_at_32k_four_users_int4(meas):
+    """Four users at 32k: vLLM's lowest type (fp8, it has no 4-bit one) holds only two, so the
+    plan takes the next engine, llama.cpp, at the lowest level that fits all four: q4_0."""
     p = recommend("llama-3.1-8b", 24, 32768, concurrency=4, results=meas)
-    assert (p.status, p.kv, p.engine, p.paging) == ("ok", "int4", "vllm", True)
-    assert p.max_concurrency >= 4 > p.max_concurrency_fp16
+    assert (p.status, p.kv, p.kv_type, p.engine, p.paging) == (
+        "ok",
+        "int4",
+        "q4_0",
+        "llama.cpp",
+        False,
+    )
+    n_q8, n_q4 = _fits(p, 8, 32, 16), _fits(p, 4, 32, 16)  # ggml blocks of 32, one fp16 scale
+    n_fp16, n_fp8 = _fits(p, 16), _fits(p, 8)
+    assert n_fp16 < n_q8 < 4 <= n_q4  # int4 is the highest level that fits all four
+    assert p.max_concurrency == n_q4 and p.max_concurrency_fp16 == n_fp16
+    assert dict(p.sequences_by_setting) == {"fp16": n_fp16, "int8": n_q8, "int4": n_q4}
+    ll = p.to_llama_cpp()
+    assert ll["--cache-type-k"] == ll["--cache-type-v"] == "q4_0" and ll["-fa"] == "on"
+    assert ll["-np"] == 4 and ll["-c"] == 4 * 32768
+    # vLLM, the first choice for several sequences, holds only what fits at fp8
+    assert p.options["vllm"].status == "reduced" and n_fp8 < 4
     v = p.to_vllm()
     assert v["kv_cache_dtype"] == "fp8" and v["max_model_len"] == 32768 and v["block_size"] == 16
-    assert p.to_transformers()["cache_config"]["nbits"] == 4
-    ll = p.to_llama_cpp()
-    assert ll["--cache-type-v"] == "q4_0" and ll["-fa"] == "on" and ll["-c"] == 4 * 32768
-    note = [r for r in p.reasons if r.startswith(("int4:", "int4 (kvlib-int4):"))][0]
+    assert v["max_num_seqs"] == n_fp8
+    assert any(
+        r.startswith(f"vllm cannot hold the whole request (fp8 fits {n_fp8} of 4)")
+        for r in p.reasons
+    )
+    n_kvlib4 = _fits(p, 4, 32, 32)  # kvlib-int4: groups of 32, fp16 scale + zero point
+    assert p.to_transformers() == {"cache": "kvlib-int4", "batch_size": min(4, n_kvlib4)}
+    # q4_0 is not measured: the reason says so and cites kvlib's int4 cache
+    note = next(r for r in p.reasons if r.startswith("q4_0 (llama.cpp) is not measured"))
     if meas:
-        assert "+0.8 %" in note and "2026-12-02" in note and "bench_cache" in note
+        assert "(kvlib-int4): +0.8 % perplexity" in note
+        assert "2026-12-02" in note and "bench_cache" in note
     else:
-        assert "not measured" in note
+        assert "int4 (kvlib-int4): quality cost not measured" in note and "%" not in note
 
 
 def test_70b_on_2x80gb_tensor_parallel():
     p = recommend("llama-3.1-70b", 80, 32768, concurrency=16, num_gpus=2, results={})
-    assert p.status == "reduced" and p.kv == "int4" and p.tensor_parallel_size == 2
-    assert p.to_vllm()["tensor_parallel_size"] == 2
-    assert any(s.startswith("weight_bits=8") for s in p.suggestions)
+    assert p.status == "reduced" and (p.kv, p.kv_type) == ("int8", "fp8")
+    assert p.tensor_parallel_size == 2 and p.engine == "vllm" and list(p.options) == ["vllm"]
+    for other in (p.to_transformers, p.to_llama_cpp):  # only vLLM splits a model over GPUs
+        with pytest.raises(ValueError, match="no (transformers|llama.cpp) settings"):
+            other()
+    # each GPU holds 4 of the 8 KV heads: half of every sequence's cache
+    assert p.kv_bytes_per_sequence == memory.kv_cache_bytes(p.spec, 32768, 1, 8) // 2
+    assert p.max_concurrency == _fits(p, 8, tp=2) == 1
+    v = p.to_vllm()
+    assert v["tensor_parallel_size"] == 2 and v["kv_cache_dtype"] == "fp8"
+    assert v["max_num_seqs"] == p.max_concurrency and "quantization" not in v
+    assert any(s.startswith("weight_bits=4") for s in p.suggestions)
+    p4 = recommend("llama-3.1-70b", 80, 32768, 16, weight_bits=4, num_gpus=2, results={})
+    assert p4.fits and p4.to_vllm()["max_num_seqs"] == 16
     p8 = recommend("llama-3.1-70b", 80, 32768, 16, weight_bits=8, num_gpus=2, results={})
-    assert p8.fits and p8.to_vllm()["quantization"] == "fp8"
+    assert p8.max_concurrency == _fits(p8, 8, tp=2) > p.max_concurrency
+    assert p8.to_vllm()["quantization"] == "fp8"
 
 
 def test_1b_on_laptop_cpu():
@@ -107,7 +154,7 @@ def test_colab_t4_7b_needs_lower_weight_bits():
     p = recommend("qwen2.5-7b", 16, 8192, results={})
     assert p.status == "impossible" and p.kv is None and p.max_concurrency == 0
     assert any(s.startswith("weight_bits=8") for s in p.suggestions)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="not one sequence"):
         p.to_vllm()
     p4 = recommend("qwen2.5-7b", 16, 8192, weight_bits=4, results={})
     assert p4.fits and p4.kv == "fp16"
@@ -127,9 +174,15 @@ def test_gemma2_sliding_window_counts_capped_layers():
     full = specs.ModelSpec("full", 42, 16, 8, 256, num_params=spec.num_params)
     assert p.kv_bytes_per_sequence_fp16 == memory.kv_cache_bytes(spec, 8192)
     assert p.kv_bytes_per_sequence_fp16 < memory.kv_cache_bytes(full, 8192)
-    if p.kv != "fp16":
-        with pytest.raises(ValueError, match="sliding-window"):
-            p.to_transformers()
+    # kvlib's quantized caches take full-attention models only: transformers runs fp16 alone
+    assert list(plan_rule.kv_types("transformers", spec)) == ["fp16"]
+    assert _fits(p, 16) >= 8 and p.to_transformers() == {"cache": "dynamic-fp16", "batch_size": 8}
+    # one sequence that fits only below fp16: not on transformers, so the next engine, vLLM
+    one = recommend("gemma-2-9b", 22, 8192, results={})
+    assert one.options["transformers"].status == "impossible" and _fits(one, 16) == 0 < _fits(
+        one, 8
+    )
+    assert (one.status, one.engine, one.kv_type) == ("ok", "vllm", "fp8")
 
 
 def test_impossible_and_malformed_input():
@@ -179,16 +232,32 @@ def test_to_dict_is_json_with_stable_keys():
     d = json.loads(json.dumps(p.to_dict()))
     assert list(d) == [
         *["model", "device", "gpu_memory_gb", "num_gpus", "context_len", "concurrency"],
-        *["quality", "weight_bits", "status", "kv", "engine", "paging", "idle_storage"],
-        *["tensor_parallel_size", "kv_bytes_per_sequence", "kv_bytes_per_sequence_fp16"],
-        *["max_concurrency", "max_concurrency_fp16", "max_context", "max_context_fp16"],
-        *["reasons", "watch", "suggestions", "spec", "budget", "fits", "buys"],
-        *["vllm", "llama_cpp", "transformers"],
+        *["quality", "weight_bits", "status", "kv", "kv_type", "engine", "paging"],
+        *["idle_storage", "tensor_parallel_size", "kv_bytes_per_sequence"],
+        *["kv_bytes_per_sequence_fp16", "max_concurrency", "max_concurrency_fp16"],
+        *["max_context", "max_context_fp16", "reasons", "watch", "suggestions", "spec"],
+        *["budget", "fits", "buys", "sequences_by_setting", "options"],
+        *["transformers", "vllm", "llama_cpp"],
     ]
-    assert d["kv"] == "int4" and d["vllm"] == p.to_vllm() and d["reasons"] == list(p.reasons)
+    assert (d["kv"], d["kv_type"], d["engine"]) == ("int4", "q4_0", "llama.cpp")
+    assert d["reasons"] == list(p.reasons)
+    assert d["vllm"] == p.to_vllm() and d["llama_cpp"] == p.to_llama_cpp()
+    assert d["transformers"] == p.to_transformers()
     assert d["budget"]["device_bytes"] == 24 * 2**30  # GiB, as the card is labelled
+    assert list(d["sequences_by_setting"]) == list(engines.planned("llama.cpp"))  # fp16 … int4
+    assert list(d["options"]) == list(engines.ENGINES)
+    for engine, option in d["options"].items():
+        assert option["engine"] == engine and engines.accepts(engine, option["kv_type"])
+    assert d["options"]["vllm"]["kv_type"] == d["vllm"]["kv_cache_dtype"] == "fp8"
+    assert d["options"]["llama.cpp"]["kv_type"] == d["llama_cpp"]["--cache-type-k"] == "q4_0"
     none = recommend("llama-3.1-70b", 24, 8192, results={}).to_dict()
-    assert "vllm" not in none and none["suggestions"] and none["fits"] is False
+    assert none["suggestions"] and none["fits"] is False
+    for key in ("transformers", "vllm", "llama_cpp"):
+        assert list(none[key]) == ["unsupported"] and "not one sequence" in none[key]["unsupported"]
+    cpu = recommend("llama-3.2-1b", 16, 8192, device="cpu", results={}).to_dict()
+    assert list(cpu["options"]) == ["llama.cpp"] and cpu["llama_cpp"]["-ngl"] == 0
+    assert "a CPU plan runs llama.cpp" in cpu["vllm"]["unsupported"]
+    assert "a CPU plan runs llama.cpp" in cpu["transformers"]["unsupported"]
 
 
 def test_plan_is_its_decision_plus_words():
@@ -209,33 +278,65 @@ def _write(path, data) -> str:
 
 
 def test_reasons_cite_a_results_file_by_path_or_env(tmp_path, monkeypatch):
+    """Each engine's type cites what measures it: vLLM's fp8 the registry's hf-fp8, kvlib's
+    caches themselves; llama.cpp's q4_0 is not measured, which the reason says, citing kvlib's
+    cache of the same level."""
     data = {
         "schema_version": 1,
         "runs": {
             "cache": _run(
-                {"kvlib-int4": {"perplexity_delta_pct": 1.5, "x_smaller_than_fp16": 3.3}},
+                {
+                    "kvlib-int4": {"perplexity_delta_pct": 1.5, "x_smaller_than_fp16": 3.3},
+                    "hf-fp8": {"perplexity_delta_pct": 0.75, "x_smaller_than_fp16": 2.0},
+                },
                 model="TinyTest-1M",
                 date="2031-01-02",
             )
         },
     }
     path = _write(tmp_path / "m.json", data)
-    by_path = recommend("llama-3.1-8b", 24, 32768, concurrency=4, results=path)
+
+    def plans(**kw):
+        return (
+            recommend("llama-3.1-8b", 24, 16384, concurrency=4, **kw),  # vLLM, fp8
+            recommend("llama-3.1-8b", 24, 98304, **kw),  # transformers, kvlib-int4
+            recommend("llama-3.1-8b", 24, 32768, concurrency=4, device="cpu", **kw),  # q4_0
+        )
+
+    by_path = plans(results=path)
     monkeypatch.setenv(RESULTS_ENV, path)
-    by_env = recommend("llama-3.1-8b", 24, 32768, concurrency=4)
-    for p in (by_path, by_env):
-        note = next(r for r in p.reasons if r.startswith("int4 (kvlib-int4):"))
-        assert "+1.5 % perplexity" in note and "3.3× smaller than fp16" in note
-        assert "TinyTest-1M" in note and "2031-01-02" in note
-    # int8 is absent from this file: said so, no number invented
-    p8 = recommend("llama-3.1-8b", 80, 131072, concurrency=4)
-    assert p8.kv == "int8" and any("int8: quality cost not measured" in r for r in p8.reasons)
+    by_env = plans()
+    for vllm, hf, cpu in (by_path, by_env):
+        assert (vllm.kv_type, hf.kv_type, cpu.kv_type) == ("fp8", "kvlib-int4", "q4_0")
+        fp8 = next(r for r in vllm.reasons if "(hf-fp8):" in r)
+        assert fp8.startswith("fp8 (hf-fp8): +0.75 % perplexity, 2× smaller than fp16")
+        int4 = next(r for r in hf.reasons if r.startswith("kvlib-int4:"))
+        assert "+1.5 % perplexity" in int4 and "3.3× smaller than fp16" in int4
+        q4 = next(r for r in cpu.reasons if r.startswith("q4_0 (llama.cpp) is not measured"))
+        assert "(kvlib-int4): +1.5 % perplexity" in q4
+        for note in (fp8, int4, q4):
+            assert "TinyTest-1M" in note and "2031-01-02" in note
+    # int8 (kvlib-int8, q8_0) is absent from this file: said so, no number invented
+    p8 = recommend("llama-3.1-8b", 24, 65536)
+    assert (p8.engine, p8.kv_type) == ("transformers", "kvlib-int8")
+    assert any("int8: quality cost not measured" in r for r in p8.reasons)
+    q8 = recommend("llama-3.1-8b", 24, 32768, device="cpu")
+    assert q8.kv_type == "q8_0" and any(
+        r.startswith("q8_0 (llama.cpp) is not measured")
+        and "int8 (kvlib-int8): quality cost not measured" in r
+        for r in q8.reasons
+    )
 
 
 def test_the_package_results_are_cited_by_default():
-    p = recommend("llama-3.1-8b", 24, 32768, concurrency=4)
-    note = next(r for r in p.reasons if r.startswith("int4 (kvlib-int4):"))
+    p = recommend("llama-3.1-8b", 24, 16384, concurrency=4)
+    assert p.kv_type == "fp8"
+    note = next(r for r in p.reasons if r.startswith("fp8 (hf-fp8):"))
     assert "bench_cache.py" in note and "not measured" not in " ".join(p.reasons)
+    t = recommend("llama-3.1-8b", 24, 98304)
+    assert t.kv_type == "kvlib-int4"
+    note = next(r for r in t.reasons if r.startswith("kvlib-int4:"))
+    assert "bench_cache.py" in note and "not measured" not in " ".join(t.reasons)
 
 
 def test_every_setting_names_a_registry_cache():
@@ -282,11 +383,11 @@ def test_pca_idle_storage_only_for_many_conversations():
 
 def test_buys_compares_with_fp16():
     p = recommend("llama-3.1-8b", 24, 32768, concurrency=4, results={})
-    assert p.kv == "int4" and p.max_concurrency > p.max_concurrency_fp16
-    assert (
-        f"{p.max_concurrency} sequences" in p.buys and f"against {p.max_concurrency_fp16}" in p.buys
-    )
+    assert p.kv_type == "q4_0" and p.max_concurrency > p.max_concurrency_fp16
+    assert p.buys.startswith(f"q4_0 fits {p.max_concurrency} sequences")
+    assert f"against {p.max_concurrency_fp16} at fp16" in p.buys
     assert p.max_context > p.max_context_fp16 and f"{p.max_context:,}" in p.buys
+    assert f"against {p.max_context_fp16:,}" in p.buys
     assert "buys: " in p.summary() and p.to_dict()["buys"] == p.buys
     none = recommend("llama-3.1-70b", 24, 8192, results={})
     assert "not one sequence fits" in none.buys
@@ -304,12 +405,26 @@ def test_buys_compares_with_fp16():
 def test_plans_are_consistent_and_never_negative(name, gb, ctx, conc, quality, wbits):
     p = recommend(name, gb, ctx, conc, quality=quality, weight_bits=wbits, results={})
     assert min(p.max_concurrency, p.max_concurrency_fp16, p.max_context, p.max_context_fp16) >= 0
+    runs = plan_rule.kv_types(p.engine, p.spec)  # the levels the plan's engine runs
+    allowed = [level for level in plan_rule.QUALITY_LADDER[quality] if level in runs]
+    assert p.lowest_setting == allowed[-1]
     if p.status == "ok":
-        assert p.kv in plan_rule.QUALITY_LADDER[quality] and p.max_concurrency >= conc
+        assert p.kv in allowed and p.max_concurrency >= conc
     elif p.status == "reduced":
-        assert p.kv == plan_rule.QUALITY_LADDER[quality][-1] and 1 <= p.max_concurrency < conc
+        assert p.kv == allowed[-1] and 1 <= p.max_concurrency < conc
     else:
         assert p.status == "impossible" and p.kv is None and p.max_concurrency == 0
+    if p.kv is not None:  # a type the engine accepts, and the plan's engine option agrees
+        assert p.kv_type == runs[p.kv].name and engines.accepts(p.engine, p.kv_type)
+        o = p.options[p.engine]
+        assert (o.kv, o.kv_type, o.status, o.sequences) == (
+            p.kv,
+            p.kv_type,
+            p.status,
+            p.num_sequences,
+        )
+    for engine, o in p.options.items():
+        assert o.kv is None or (engines.accepts(engine, o.kv_type) and 1 <= o.sequences <= conc)
     if p.status != "ok":
         assert p.suggestions  # says what would fit
     if p.kv not in (None, "fp16"):
@@ -325,16 +440,24 @@ def test_to_transformers_settings_run_in_generate(model, eval_ids):
 
     found: dict[str, Plan] = {}
     for gb in [1.35 + 0.0025 * i for i in range(200)]:
-        p = recommend(model, gb, 2048, concurrency=4, results={})
-        if p.fits and p.kv not in found:
-            found[p.kv] = p
-    assert set(found) == {"fp16", "int8", "int4"}
+        p = recommend(model, gb, 2048, concurrency=4, quality="aggressive", results={})
+        t = p.options["transformers"]
+        if t.status == "ok" and t.kv not in found:
+            found[t.kv] = p
+    assert set(found) == {"fp16", "int8", "int4", "int2"}
     assert found["fp16"].spec.num_params == sum(p.numel() for p in model.parameters())
     ids = eval_ids[:, :16]
     ref = None
-    for kv in ("fp16", "int8", "int4"):
-        kwargs = found[kv].to_transformers()
+    for kv in ("fp16", "int8", "int4", "int2"):
+        p = found[kv]
+        kwargs = p.to_transformers()
+        assert kwargs == {"cache": engines.planned("transformers")[kv].name, "batch_size": 4}
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=2, do_sample=False, **kwargs)
+            out = model.generate(
+                ids,
+                max_new_tokens=2,
+                do_sample=False,
+                past_key_values=p.transformers_cache(model.config),
+            )
         ref = out if ref is None else ref
         assert torch.equal(out, ref), kv

@@ -1,79 +1,192 @@
-"""kvlib.plan_engines: a decision as transformers kwargs, vLLM arguments, llama.cpp flags and
-command lines (the generate() run with these kwargs is in test_plan.py, marked slow)."""
+"""kvlib.plan_engines and kvlib.engines: every engine's settings name a KV type that engine
+accepts, and provision exactly what fits at that type's bytes (the generate() run with the
+transformers cache is in test_plan.py, marked slow)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from kvlib import plan_engines, specs
-from kvlib.plan_rule import context_that_fits, decide, sequences_that_fit
+from kvlib import engines, memory, plan, plan_engines, plan_rule, specs
+from kvlib.plan_rule import decide, sequences_that_fit
 
 LLAMA8 = specs.get_spec("llama-3.1-8b")
 
 
-def test_transformers_kwargs_per_setting():
+# -- the engines' KV types -------------------------------------------------------------------
+
+
+def test_engine_types_are_priced_as_their_formats():
+    q4_0, q4_1 = engines.kv_type("llama.cpp", "q4_0"), engines.kv_type("llama.cpp", "q4_1")
+    assert (q4_0.effective_bits, q4_1.effective_bits) == (4.5, 5.0)  # + fp16 scale (+ min) / 32
+    assert engines.kv_type("llama.cpp", "q8_0").effective_bits == 8.5
+    assert engines.kv_type("vllm", "fp8").effective_bits == 8.0  # per-tensor scale
+    assert all(
+        t.needs_flash_attention == (t.bits < 16)
+        for t in engines.KV_TYPES
+        if t.engine == "llama.cpp"
+    )
+    # q4_0 on a 96-wide head (Phi-3-mini): 3 blocks of 32, one fp16 scale each, per vector
+    phi = specs.get_spec("phi-3-mini")
+    per_vector_bits = 96 * 4 + 3 * 16
+    expected = 2 * phi.num_layers * phi.num_kv_heads * per_vector_bits // 8
+    bits, group, meta = q4_0.storage
+    assert memory.kv_bytes_per_token(phi, bits, group_size=group, group_meta_bits=meta) == expected
+
+
+def test_planned_levels_per_engine():
+    assert {e: list(engines.planned(e)) for e in engines.ENGINES} == {
+        "transformers": ["fp16", "int8", "int4", "int2"],
+        "vllm": ["fp16", "int8"],
+        "llama.cpp": ["fp16", "int8", "int4"],
+    }
+    assert [t.name for t in engines.planned("vllm").values()] == ["auto", "fp8"]
+    assert [t.name for t in engines.planned("llama.cpp").values()] == ["f16", "q8_0", "q4_0"]
+    assert engines.accepts("llama.cpp", "iq4_nl") and not engines.accepts("vllm", "int4")
+    with pytest.raises(ValueError, match="vllm has no KV cache type 'q4_0'"):
+        engines.kv_type("vllm", "q4_0")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        engines.planned("tgi")
+
+
+# -- every scenario: the headline and every engine's flags agree -----------------------------
+
+SCENARIOS = list(
+    itertools.product(
+        ["llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "mistral-7b-v0.1", "deepseek-v2-lite"],
+        [16, 24, 80],
+        [8192, 32768, 131072],
+        [1, 4, 16],
+        ["max", "balanced", "aggressive"],
+    )
+)
+
+
+def _fits_at(p: plan.Plan, engine: str, type_name: str) -> int:
+    """Sequences of the full context that fit the plan's KV budget at an engine type's bytes,
+    recomputed from kvlib.memory (not from the plan)."""
+    bits, group, meta = engines.kv_type(engine, type_name).storage
+    budget = p.budget.kv_budget_bytes
+    if budget <= 0:
+        return 0
+    per_seq = memory.kv_cache_bytes(
+        p.spec, p.context_len, 1, bits, group_size=group, group_meta_bits=meta
+    )
+    return budget // per_seq
+
+
+@pytest.mark.parametrize("model, gib, context, users, quality", SCENARIOS)
+def test_every_plan_prints_settings_its_engines_accept(model, gib, context, users, quality):
+    p = plan.recommend(model, gib, context, users, quality, results={})
+    # the engine: the first the traffic prefers that holds everyone, else the one holding most
+    order = plan_rule.engine_candidates(p.device, users, p.tensor_parallel_size)
+    ok = [e for e in order if p.options[e].status == "ok"]
+    most = max(p.options[e].sequences for e in order)
+    assert p.engine == (ok[0] if ok else next(e for e in order if p.options[e].sequences == most))
+    if p.kv is not None:
+        assert engines.accepts(p.engine, p.kv_type), "the headline's type runs on its engine"
+        assert p.options[p.engine].kv_type == p.kv_type
+        assert p.max_concurrency == _fits_at(p, p.engine, p.kv_type)
+        assert f"KV cache: {p.kv_type} on {p.engine}" in p.summary()
+    settings = {"transformers": p.to_transformers, "vllm": p.to_vllm, "llama.cpp": p.to_llama_cpp}
+    for engine, option in p.options.items():
+        if option.kv is None:
+            with pytest.raises(ValueError):
+                settings[engine]()
+            continue
+        fits = _fits_at(p, engine, option.kv_type)
+        assert option.sequences == min(users, fits) >= 1
+        if option.status == "ok":
+            assert fits >= users
+        s = settings[engine]()
+        if engine == "vllm":
+            assert (s["kv_cache_dtype"], s["max_num_seqs"]) == (option.kv_type, option.sequences)
+            assert s["max_model_len"] == context
+        elif engine == "llama.cpp":
+            assert s["--cache-type-k"] == s["--cache-type-v"] == option.kv_type
+            assert (s["-np"], s["-c"]) == (option.sequences, option.sequences * context)
+            assert s["-fa"] == ("on" if option.kv_type != "f16" else "auto")
+        else:
+            assert (s["cache"], s["batch_size"]) == (option.kv_type, option.sequences)
+        assert engines.accepts(engine, option.kv_type)
+
+
+# -- single engines ----------------------------------------------------------------------------
+
+
+def test_transformers_runs_kvlib_caches_and_fp16_for_sliding_windows():
     assert plan_engines.transformers_kwargs(decide(LLAMA8, 80, 8192)) == {
-        "cache_implementation": "dynamic"
+        "cache": "dynamic-fp16",
+        "batch_size": 1,
     }
-    int8 = decide(LLAMA8, 80, 131072, 4)
-    assert int8.kv == "int8"
-    assert plan_engines.transformers_kwargs(int8)["cache_config"] == {"backend": "fp8"}
-    int4 = plan_engines.transformers_kwargs(decide(LLAMA8, 24, 32768, 4))
-    assert int4["cache_config"] == {
-        "backend": "quanto",
-        "nbits": 4,
-        "q_group_size": 64,
-        "residual_length": 128,
-    }
-    gemma = decide(specs.get_spec("gemma-2-9b"), 24, 32768, 8)
-    assert gemma.kv not in (None, "fp16")
-    with pytest.raises(ValueError, match="sliding-window"):
-        plan_engines.transformers_kwargs(gemma)
+    one = decide(LLAMA8, 24, 65536)  # 8 GiB at fp16 > 5.39 GiB left: quantized
+    assert one.engine == "transformers" and one.kv_type == f"kvlib-{one.kv}"
+    gemma = decide(specs.get_spec("gemma-2-9b"), 24, 32768, 8)  # sliding-window layers
+    assert list(plan_rule.kv_types("transformers", gemma.spec)) == ["fp16"]  # kvlib: full only
+    assert gemma.kv not in (None, "fp16") and gemma.options["transformers"].kv is None
+    small = decide(specs.get_spec("gemma-2-9b"), 80, 8192)
+    assert small.options["transformers"].kv_type == "dynamic-fp16"
 
 
-def test_vllm_recounts_int4_at_fp8():
-    d = decide(LLAMA8, 24, 32768, 4)
+def test_vllm_has_fp16_and_fp8_only():
+    d = decide(LLAMA8, 24, 32768, 16)
     v = plan_engines.vllm_args(d)
-    at_fp8 = sequences_that_fit(LLAMA8, d.budget.kv_budget_bytes, 32768, (8, None))
-    assert v["kv_cache_dtype"] == "fp8" and v["max_num_seqs"] == max(1, min(4, at_fp8)) < 4
+    at_fp8 = sequences_that_fit(LLAMA8, d.budget.kv_budget_bytes, 32768, (8, None, 0))
+    vllm = d.options["vllm"]
+    assert (vllm.kv, vllm.kv_type, vllm.status) == ("int8", "fp8", "reduced")
+    assert v["kv_cache_dtype"] == "fp8" and v["max_num_seqs"] == at_fp8 < 16
     assert v["gpu_memory_utilization"] == 0.9 and v["block_size"] == 16
     assert "quantization" not in v
+    # llama.cpp goes lower (q4_0) and fits more of the same request: the plan takes it
+    assert d.options["llama.cpp"].kv_type == "q4_0"
+    assert d.options["llama.cpp"].sequences > at_fp8
+    assert (d.engine, d.kv_type, d.status) == ("llama.cpp", "q4_0", "reduced")
+    assert "vllm cannot hold the whole request (fp8 fits 2 of 16)" in " ".join(
+        plan.recommend("llama-3.1-8b", 24, 32768, 16, results={}).reasons
+    )
     fp16 = plan_engines.vllm_args(decide(LLAMA8, 80, 8192, 8))
     assert fp16["kv_cache_dtype"] == "auto" and fp16["max_num_seqs"] == 8
     w8 = plan_engines.vllm_args(decide(LLAMA8, 80, 8192, 8, weight_bits=8, num_gpus=2))
     assert w8["quantization"] == "fp8" and w8["tensor_parallel_size"] == 2
 
 
-def test_llama_cpp_slots_and_a_context_that_fits():
-    d = decide(LLAMA8, 24, 32768, 4)
-    flags = plan_engines.llama_cpp_flags(d)
-    assert flags["-np"] == 4 and flags["-c"] == 4 * 32768 and flags["--cache-type-k"] == "q4_0"
-    # int2 fits one 128k sequence where llama.cpp's lowest type (q4_0) does not: -c shrinks
-    for gib in [17 + 0.05 * i for i in range(100)]:
-        d = decide(LLAMA8, gib, 131072, 1, quality="aggressive")
-        budget = d.budget.kv_budget_bytes
-        if d.kv == "int2" and sequences_that_fit(LLAMA8, budget, 131072, (4, 64)) == 0:
-            break
-    else:
-        pytest.fail("no memory size where int2 fits and q4_0 does not")
-    flags = plan_engines.llama_cpp_flags(d)
-    ctx = context_that_fits(LLAMA8, budget, 1, (4, 64))
-    assert flags["-np"] == 1 and flags["-c"] == ctx // 256 * 256 < 131072
-    assert plan_engines.llama_cpp_flags(decide(LLAMA8, 32, 8192, device="cpu"))["-ngl"] == 0
+def test_cpu_plans_run_llama_cpp_only():
+    d = decide(LLAMA8, 32, 8192, device="cpu")
+    assert d.engine == "llama.cpp" and list(d.options) == ["llama.cpp"]
+    assert plan_engines.llama_cpp_flags(d)["-ngl"] == 0
+    with pytest.raises(
+        ValueError, match="no vllm settings for this plan: a CPU plan runs llama.cpp"
+    ):
+        plan_engines.vllm_args(d)
+    tp = decide(specs.get_spec("llama-3.1-70b"), 80, 32768, 16, num_gpus=2)
+    assert list(tp.options) == ["vllm"]
+    with pytest.raises(ValueError, match="only vLLM splits a model across GPUs"):
+        plan_engines.llama_cpp_flags(tp)
 
 
-def test_commands_and_a_request_that_does_not_fit():
+def test_commands_name_hub_ids_and_a_request_that_does_not_fit():
     d = decide(LLAMA8, 80, 131072, 4, model="llama-3.1-8b")
-    cmd = plan_engines.commands(d, "meta-llama/Llama-3.1-8B-Instruct")
-    assert cmd["vllm"].startswith(
-        "vllm serve meta-llama/Llama-3.1-8B-Instruct --kv-cache-dtype fp8"
-    )
+    cmd = plan_engines.commands(d)
+    assert cmd["vllm"].startswith("vllm serve meta-llama/Llama-3.1-8B --kv-cache-dtype fp8")
     assert cmd["vllm"].endswith("--enable-prefix-caching")  # a flag without a value
-    assert cmd["llama.cpp"].startswith("llama-server -m meta-llama/Llama-3.1-8B-Instruct.gguf -c ")
-    assert plan_engines.commands(d)["vllm"].startswith("vllm serve llama-3.1-8b ")
+    assert cmd["llama.cpp"].startswith("llama-server -m Llama-3.1-8B.gguf -c ")
+    mine = plan_engines.commands(d, "meta-llama/Llama-3.1-8B-Instruct")
+    assert mine["vllm"].startswith("vllm serve meta-llama/Llama-3.1-8B-Instruct ")
+    assert mine["llama.cpp"].startswith("llama-server -m Llama-3.1-8B-Instruct.gguf ")
+    assert plan_engines.commands(d, "my.gguf")["llama.cpp"].startswith("llama-server -m my.gguf ")
     none = decide(specs.get_spec("qwen2.5-7b"), 16, 8192, model="qwen2.5-7b")
     assert plan_engines.commands(none) == {}
-    with pytest.raises(ValueError, match=r"no vLLM settings: qwen2.5-7b does not fit .*\(try\)"):
+    with pytest.raises(
+        ValueError, match=r"no vllm settings: not one sequence of qwen2.5-7b .*\(try\)"
+    ):
         plan_engines.vllm_args(none, hint="try")
     with pytest.raises(ValueError, match="see plan.suggestions"):
         plan_engines.llama_cpp_flags(none)
+
+
+def test_every_registry_model_names_its_hub_id():
+    for name in specs.list_specs():
+        hub = specs.get_spec(name).hub_id
+        assert hub and hub.count("/") == 1, name
+    assert specs.ModelSpec("custom", 2, 2, 2, 8).hub_id is None

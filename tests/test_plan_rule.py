@@ -7,12 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import memory, plan_rule, specs
+from kvlib import engines, memory, plan_rule, specs
 from kvlib.plan_rule import (
+    EngineOption,
     choose_engine,
     choose_setting,
     context_that_fits,
     decide,
+    engine_candidates,
     fallbacks,
     gpu_share,
     idle_storage,
@@ -40,10 +42,29 @@ def test_choose_setting_walks_the_quality_ladder():
     assert choose_setting(dict.fromkeys(fits, 0), "aggressive", 1) == (None, "impossible")
 
 
+def _opt(engine: str, status: str, sequences: int) -> EngineOption:
+    return EngineOption(engine, "int8", "x", status, sequences, 0, 8.0)
+
+
 def test_choose_engine_and_idle_storage():
+    assert engine_candidates("cpu", 64, 1) == ("llama.cpp",)
+    assert engine_candidates("gpu", 1, 2) == engine_candidates("gpu", 4, 2) == ("vllm",)
+    assert engine_candidates("gpu", 4, 1) == ("vllm", "llama.cpp")
+    assert engine_candidates("gpu", 1, 1) == ("transformers", "vllm", "llama.cpp")
+    # without options: the traffic's first choice
     assert choose_engine("cpu", 64, 1) == "llama.cpp"
     assert choose_engine("gpu", 1, 1) == "transformers"
     assert choose_engine("gpu", 2, 1) == choose_engine("gpu", 1, 2) == "vllm"
+    # with options: the first candidate that holds the whole request ...
+    opts = {"transformers": _opt("transformers", "ok", 4), "vllm": _opt("vllm", "reduced", 2)}
+    opts["llama.cpp"] = _opt("llama.cpp", "ok", 4)
+    assert choose_engine("gpu", 4, 1, opts) == "llama.cpp"  # transformers is no candidate here
+    assert choose_engine("gpu", 1, 1, opts) == "transformers"
+    # ... else the one holding the most sequences, the earlier on a tie
+    opts["llama.cpp"] = _opt("llama.cpp", "reduced", 3)
+    assert choose_engine("gpu", 4, 1, opts) == "llama.cpp"
+    opts["llama.cpp"] = _opt("llama.cpp", "reduced", 2)
+    assert choose_engine("gpu", 4, 1, opts) == "vllm"
     n = plan_rule.IDLE_STORAGE_MIN_SESSIONS
     assert idle_storage(n, "int4") == "pca" and idle_storage(n - 1, "int4") is None
     assert idle_storage(n, None) is None  # nothing to store when nothing fits
@@ -68,17 +89,17 @@ def test_memory_budget_counts_gib_and_shards_weights():
 def test_gpu_share_splits_kv_heads_not_mla():
     assert gpu_share(LLAMA8, 1) is LLAMA8
     full = memory.kv_cache_bytes(LLAMA8, 4096)
-    assert kv_sequence_bytes(LLAMA8, 4096, (16, None), 2) == full // 2  # 4 of 8 KV heads
-    assert kv_sequence_bytes(LLAMA8, 4096, (16, None), 8) == full // 8
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0), 2) == full // 2  # 4 of 8 KV heads
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0), 8) == full // 8
     assert gpu_share(LLAMA8, 16).num_kv_heads == 1  # 16 GPUs, 8 heads: replicated
-    assert kv_sequence_bytes(LLAMA8, 4096, (16, None), 16) == full // 8
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0), 16) == full // 8
     ds = specs.get_spec("deepseek-v3")
-    assert kv_sequence_bytes(ds, 4096, (16, None), 8) == memory.kv_cache_bytes(ds, 4096)
-    # group-wise metadata is counted: int4 in groups of 64 is 4.5 bits per value
-    assert kv_sequence_bytes(LLAMA8, 4096, (4, 64), 1) == full * 4.5 / 16
+    assert kv_sequence_bytes(ds, 4096, (16, None, 0), 8) == memory.kv_cache_bytes(ds, 4096)
+    # group-wise metadata is counted: q4_0 (blocks of 32, one fp16 scale) is 4.5 bits per value
+    assert kv_sequence_bytes(LLAMA8, 4096, (4, 32, 16), 1) == full * 4.5 / 16
 
 
-_STORES = [plan_rule.storage(name) for name in plan_rule.KV_SETTINGS] + [(8, None), (4, 64)]
+_STORES = sorted({t.storage for t in engines.KV_TYPES}, key=str)
 
 
 @settings(max_examples=80, deadline=None)
@@ -113,23 +134,36 @@ def test_what_fits_is_the_byte_math_on_one_gpu(name, tp, store, budget, concurre
 
 
 def test_decide_llama8b_on_24gib_at_32k():
+    """Four sequences: vLLM (first choice) holds two at fp8, its lowest type; llama.cpp holds all
+    four at q4_0 (4.5 bits per value: blocks of 32 with one fp16 scale), so llama.cpp."""
     d = decide(LLAMA8, 24, 32768, 4, model="llama-3.1-8b")
-    assert (d.status, d.kv, d.engine, d.paging, d.idle_storage) == (
+    assert (d.status, d.kv, d.kv_type, d.engine, d.paging, d.idle_storage) == (
         "ok",
         "int4",
-        "vllm",
-        True,
+        "q4_0",
+        "llama.cpp",
+        False,
         None,
     )
     fp16_seq = 32768 * 32 * 2 * 8 * 128 * 2  # tokens × layers × K,V × heads × head_dim × bytes
+    budget = d.budget.kv_budget_bytes
     assert d.kv_bytes_per_sequence_fp16 == fp16_seq
     assert d.kv_bytes_per_sequence == fp16_seq * 4.5 / 16
-    assert d.max_concurrency_fp16 == d.budget.kv_budget_bytes // fp16_seq == 1
-    assert d.max_concurrency == d.sequences_by_setting["int4"] >= 4 and d.fits
-    assert d.max_context == context_that_fits(LLAMA8, d.budget.kv_budget_bytes, 4, (4, 64))
+    assert d.max_concurrency_fp16 == budget // fp16_seq == 1
+    assert d.max_concurrency == d.sequences_by_setting["int4"] == budget // (fp16_seq * 4.5 / 16)
+    assert d.max_concurrency >= 4 and d.fits
+    assert d.sequences_by_setting["int8"] == budget // (fp16_seq * 8.5 / 16) < 4  # q8_0
+    assert d.max_context == context_that_fits(LLAMA8, budget, 4, (4, 32, 16))
     assert d.max_context >= 32768 > d.max_context_fp16
     assert d.num_sequences == 4 and d.setting.name == "int4"
     assert d.lowest_setting == "int4"
+    vllm = d.options["vllm"]  # fp8: 8 bits, no per-group metadata
+    assert (vllm.kv_type, vllm.status, vllm.sequences) == (
+        "fp8",
+        "reduced",
+        budget // (fp16_seq // 2),
+    )
+    assert d.options["llama.cpp"].sequences == d.num_sequences
 
 
 def test_decide_impossible_and_reduced():
@@ -142,9 +176,13 @@ def test_decide_impossible_and_reduced():
     )
     assert none.budget.kv_budget_bytes < 0 and not none.fits
     # the bytes shown for an impossible request are those of the lowest allowed setting
-    assert none.kv_bytes_per_sequence == kv_sequence_bytes(none.spec, 8192, (4, 64))
+    # (transformers: kvlib-int4, groups of 32 with an fp16 scale and zero point)
+    assert none.engine == "transformers"
+    assert none.kv_bytes_per_sequence == kv_sequence_bytes(none.spec, 8192, (4, 32, 32))
     few = decide(LLAMA8, 24, 32768, 16)
     assert few.status == "reduced" and few.kv == "int4" and 1 <= few.max_concurrency < 16
+    # no candidate holds all 16: the one holding the most (llama.cpp's q4_0 against vLLM's fp8)
+    assert few.engine == "llama.cpp" and few.max_concurrency > few.options["vllm"].sequences
     assert few.num_sequences == few.max_concurrency
 
 
@@ -180,7 +218,7 @@ def test_fallback_context_is_capped_at_the_models_maximum():
     from kvlib import plan_text
 
     huge = decide(LLAMA8, 24, 10**11)
-    lowest = plan_rule.storage(huge.lowest_setting)
+    lowest = plan_rule.storage(huge.lowest_setting, huge.engine)
     memory_only = context_that_fits(LLAMA8, huge.budget.kv_budget_bytes, 1, lowest)
     assert memory_only > LLAMA8.max_position_embeddings  # the cap is what binds here
     fb = fallbacks(huge)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from kvlib import memory, plan_text, specs
+from kvlib import engines, memory, plan_text, specs
 from kvlib.plan_rule import decide, fallbacks
 
 LLAMA8 = specs.get_spec("llama-3.1-8b")
@@ -25,6 +25,7 @@ MEAS = {
                 "kvlib-int4": {"perplexity_delta_pct": 0.8},
                 "kvlib-int4-rot": {"perplexity_delta_pct": -0.1},
                 "kvlib-int2": {"perplexity_delta_pct": 7.25},
+                "hf-fp8": {"perplexity_delta_pct": 0.5},
             },
         }
     },
@@ -32,21 +33,39 @@ MEAS = {
 
 
 def test_reasons_give_the_budget_and_each_settings_count():
+    # 16 users: vLLM (fp8) holds fewer than llama.cpp (q4_0), which is reduced at its lowest level
     d = decide(LLAMA8, 24, 32768, 16, model="llama-3.1-8b")
+    assert (d.engine, d.kv_type, d.status) == ("llama.cpp", "q4_0", "reduced")
     why = plan_text.reasons(d, MEAS)
     h = memory.human_bytes
     fits = d.sequences_by_setting
     assert why[0] == (
         f"16 × 32,768 tokens need {h(16 * d.kv_bytes_per_sequence_fp16)} at fp16 but only "
-        f"{h(d.budget.kv_budget_bytes)} is left; fp16 fits {fits['fp16']}, int8 fits "
-        f"{fits['int8']}; int4 fits {fits['int4']}"
+        f"{h(d.budget.kv_budget_bytes)} is left; fp16 fits {fits['fp16']}, q8_0 fits "
+        f"{fits['int8']}; q4_0 fits {fits['int4']}"
     )
-    assert why[1].startswith(
-        "int4 (kvlib-int4): +0.8 % perplexity on TinyTest-1M, measured 2031-01-02"
+    # q4_0 is not measured: said so, citing kvlib's int4 cache
+    assert why[1].startswith("q4_0 (llama.cpp) is not measured")
+    assert "(kvlib-int4): +0.8 % perplexity on TinyTest-1M, measured 2031-01-02" in why[1]
+    assert f"only {fits['int4']} of 16 sequences fit" in why[2]  # reduced
+    vllm = d.options["vllm"]
+    assert why[3].startswith(
+        f"vllm cannot hold the whole request ({vllm.kv_type} fits {vllm.sequences} of 16)"
     )
-    assert why[2].startswith("int4 with a Hadamard rotation (kvlib-int4-rot): -0.1 % perplexity")
-    assert f"only {fits['int4']} of 16 sequences fit" in why[3]  # reduced
-    assert "vLLM" in why[4] and "PCA" in why[5]
+    assert f"llama.cpp serves them in {fits['int4']} parallel slots" in why[4]
+    assert "PCA" in why[5] and len(why) == 6
+    # one user whose cache fits only at 4 bits: transformers with kvlib-int4, and its rotation
+    t = decide(LLAMA8, 24, 98304, 1)
+    tfits = t.sequences_by_setting
+    assert (t.engine, t.kv_type) == ("transformers", "kvlib-int4")
+    twhy = plan_text.reasons(t, MEAS)
+    assert twhy[0].endswith(
+        f"fp16 fits {tfits['fp16']}, kvlib-int8 fits {tfits['int8']}; kvlib-int4 fits "
+        f"{tfits['int4']}"
+    )
+    assert twhy[1].startswith("kvlib-int4: +0.8 % perplexity on TinyTest-1M, measured 2031-01-02")
+    assert twhy[2].startswith("int4 with a Hadamard rotation (kvlib-int4-rot): -0.1 % perplexity")
+    assert "transformers generate()" in twhy[-1]
     solo = plan_text.reasons(decide(LLAMA8, 80, 8192, 1), {})
     assert "no need to quantize" in solo[0] and solo[1].startswith("fp16: the reference")
     assert "transformers generate()" in solo[-1]
@@ -54,20 +73,29 @@ def test_reasons_give_the_budget_and_each_settings_count():
     assert none == (none[0],) and "nothing is left for the KV cache" in none[0]
     tight = decide(LLAMA8, 20, 131072, 1)  # weights fit, one 128k sequence does not
     assert tight.kv is None and tight.budget.kv_budget_bytes > 0
-    assert "even at int4" in plan_text.reasons(tight, {})[0]
+    lowest = engines.planned(tight.engine)[tight.lowest_setting].name
+    assert (tight.engine, lowest) == ("transformers", "kvlib-int4")
+    assert "even at kvlib-int4" in plan_text.reasons(tight, {})[0]
 
 
 def test_watch_cites_the_measured_int2_cost_and_the_limits():
-    d = decide(LLAMA8, 24, 32768, 16, quality="aggressive")
-    assert d.kv == "int2"
+    d = decide(LLAMA8, 24, 196608, 1, quality="aggressive")  # only 2 bits hold 192k tokens
+    assert (d.engine, d.kv, d.kv_type) == ("transformers", "int2", "kvlib-int2")
     w = plan_text.watch(d, MEAS)
     assert any("(measured +7.25 % perplexity)" in x for x in w)
-    assert any("vLLM has no int2 KV cache" in x for x in w)
+    assert any("exceeds the model's trained 131,072 tokens" in x for x in w)
     assert not any("measured" in x for x in plan_text.watch(d, {}) if x.startswith("2-bit"))
     tp16 = decide(LLAMA8, 24, 32768, 16, num_gpus=16)
     assert any("16 > 8 KV heads" in x for x in plan_text.watch(tp16, {}))
-    past = decide(LLAMA8, 80, 1 << 18, 1)  # 256k > Llama-3.1's trained 128k
-    assert any("exceeds the model's trained 131,072 tokens" in x for x in plan_text.watch(past, {}))
+    # sliding-window layers: transformers runs them at fp16 (said wherever transformers is an
+    # option; a CPU plan has only llama.cpp)
+    gemma = specs.get_spec("gemma-2-9b")
+    sliding = "sliding-window layers"
+    assert any(
+        sliding in x and "fp16" in x for x in plan_text.watch(decide(gemma, 48, 8192, 8), {})
+    )
+    assert not any(sliding in x for x in plan_text.watch(decide(gemma, 48, 8192, device="cpu"), {}))
+    assert not any(sliding in x for x in plan_text.watch(d, {}))  # Llama: full attention
 
 
 def test_suggestions_only_when_it_does_not_fit_and_in_gib():
@@ -78,16 +106,22 @@ def test_suggestions_only_when_it_does_not_fit_and_in_gib():
     s = plan_text.suggestions(d, fb)
     assert s[0] == "weight_bits=8: the whole request with fp16"
     assert s[1] == "num_gpus=2 (vLLM tensor_parallel_size=2): the whole request with fp16"
-    assert s[-1] == f"a GPU with at least {fb.memory_gib:.3g} GiB: the whole request with int4"
+    # the memory is named at the plan's engine's lowest type (transformers: kvlib-int4)
+    assert d.engine == "transformers" and d.lowest_setting == "int4"
+    assert (
+        s[-1] == f"a GPU with at least {fb.memory_gib:.3g} GiB: the whole request with kvlib-int4"
+    )
     cpu = decide(LLAMA8, 8, 32768, 16, device="cpu")
     assert plan_text.suggestions(cpu, fallbacks(cpu))[-1].startswith("RAM of at least")
+    assert plan_text.suggestions(cpu, fallbacks(cpu))[-1].endswith("with q4_0")
     eight = decide(specs.get_spec("llama-3.1-405b"), 24, 131072, 64, num_gpus=8)
     assert any("pipeline parallelism" in x for x in plan_text.suggestions(eight, fallbacks(eight)))
 
 
 def test_buys_and_an_unbounded_context():
     d = decide(LLAMA8, 24, 32768, 4)
-    assert plan_text.buys(d).startswith(f"int4 fits {d.max_concurrency} sequences at 32,768")
+    assert d.kv_type == "q4_0"
+    assert plan_text.buys(d).startswith(f"q4_0 fits {d.max_concurrency} sequences at 32,768")
     assert f"against {d.max_concurrency_fp16} at fp16" in plan_text.buys(d)
     # Mistral-7B v0.1: every layer slides, so memory sets no limit on the context
     sliding = decide(specs.get_spec("mistral-7b-v0.1"), 24, 4096, 1)
@@ -95,6 +129,25 @@ def test_buys_and_an_unbounded_context():
     assert "up to unbounded tokens" in plan_text.buys(sliding)
     assert "max context for 1: unbounded" in plan_text.summary(sliding)
     assert "nothing yet" in plan_text.buys(decide(specs.get_spec("qwen2.5-7b"), 16, 8192))
+
+
+def test_alternatives_give_each_other_engines_type_and_count():
+    d = decide(LLAMA8, 24, 32768, 4)
+    alt = plan_text.alternatives(d)
+    others = [e for e in engines.ENGINES if e != d.engine]
+    assert [a.split(":")[0] for a in alt] == others
+    for engine, line in zip(others, alt, strict=True):
+        o = d.options[engine]
+        bits = engines.kv_type(engine, o.kv_type).effective_bits
+        assert line.startswith(
+            f"{engine}: {o.kv_type} ({bits:g} bits per value) fits {o.sequences} of 4 sequences"
+        )
+    summary = plan_text.summary(d)
+    assert all(f"also: {a}" in summary for a in alt)
+    none = plan_text.alternatives(decide(specs.get_spec("qwen2.5-7b"), 16, 8192))
+    assert none and all(a.endswith("not one sequence fits at any KV type it runs") for a in none)
+    assert plan_text.alternatives(decide(LLAMA8, 24, 8192, device="cpu")) == ()  # llama.cpp only
+    assert plan_text.alternatives(decide(LLAMA8, 24, 8192, 4, num_gpus=2)) == ()  # vLLM only
 
 
 def test_summary_says_gib():
