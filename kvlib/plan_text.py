@@ -80,7 +80,9 @@ def quality_note(
     """One line: the measured cost of a KV setting (``cache_name``, else the level's
     :data:`KV_SETTINGS` cache, by registry name, in the cache benchmark's run) or of ``"pca"``
     storage (the cross-layer rows of the PCA run), or that it is not measured; ``label`` names
-    the setting in the line (default ``setting``). Never invents a number.
+    the setting in the line (default ``setting``). Where the benchmark measured several text
+    segments, their range is given, and a range that spans zero is called no measurable cost
+    (one segment's delta alone can fall either side of it). Never invents a number.
 
     Raises:
         ValueError: an unknown setting.
@@ -115,6 +117,13 @@ def quality_note(
         parts.append(f"{_fmt_pct(cost['perplexity_delta_pct'])} perplexity")
     if "perplexity_delta_pct_mean" in cost:
         parts.append(f"{_fmt_pct(cost['perplexity_delta_pct_mean'])} on average over segments")
+    seg = _segments(cost)
+    if seg:
+        lo, hi = min(seg), max(seg)
+        parts.append(
+            f"{len(seg)} segments {_fmt_pct(lo)} … {_fmt_pct(hi)}"
+            + (": no measurable cost" if lo <= 0 <= hi else "")
+        )
     if "x_smaller_than_fp16" in cost:
         parts.append(f"{cost['x_smaller_than_fp16']:.3g}× smaller than fp16")
     head = name if label == name else f"{label or setting} ({name})"
@@ -180,13 +189,27 @@ def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
         ]
     if d.engine == "transformers" and d.kv in ("int4", "int2"):
         rot = kvresults.cache_cost(f"kvlib-{d.kv}-rot", results)
-        if "perplexity_delta_pct" in rot:
+        plain = kvresults.cache_cost(f"kvlib-{d.kv}", results)
+        where = kvresults.provenance(kvresults.run("cache", results))
+        head = f"{d.kv} with a Hadamard rotation (kvlib-{d.kv}-rot): "
+        seg_r, seg_p = _segments(rot), _segments(plain)
+        if seg_r and seg_p:
+            overlap = min(seg_r) <= max(seg_p) and min(seg_p) <= max(seg_r)
             out.append(
-                f"{d.kv} with a Hadamard rotation (kvlib-{d.kv}-rot): "
-                f"{_fmt_pct(rot['perplexity_delta_pct'])} perplexity "
-                + kvresults.provenance(kvresults.run("cache", results))
+                head + f"mean {_fmt_pct(sum(seg_r) / len(seg_r))} perplexity against "
+                f"{_fmt_pct(sum(seg_p) / len(seg_p))} without, over {len(seg_r)} segments"
+                + ("; no measurable difference" if overlap else "")
+                + f" {where}"
             )
+        elif "perplexity_delta_pct" in rot:
+            out.append(head + f"{_fmt_pct(rot['perplexity_delta_pct'])} perplexity {where}")
     return out
+
+
+def _segments(cost: Mapping[str, Any]) -> list[float]:
+    """Per-segment perplexity deltas (%) of a measured cache, when there are two or more."""
+    seg = cost.get("perplexity_delta_pct_segments") or []
+    return [float(x) for x in seg] if len(seg) >= 2 else []
 
 
 def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:

@@ -124,12 +124,15 @@ def _number(x: Any) -> float | None:
     return float(x)
 
 
-def cache_cost(name: str, results: Mapping[str, Any] | None = None) -> dict[str, float]:
+def cache_cost(
+    name: str, results: Mapping[str, Any] | None = None
+) -> dict[str, float | list[float]]:
     """The measured figures of one cache (a :mod:`kvlib.cache_registry` name) from the cache
     benchmark: ``perplexity``, ``perplexity_delta_pct`` (vs the reference DynamicCache on the
     protocol segment), ``perplexity_delta_pct_mean`` (over segments, where measured),
     ``x_smaller_than_fp16`` (fp16 bytes / the cache's bytes on the evaluated text) and
-    ``x_smaller_than_fp16_at_4096``. Only what was measured: ``{}`` for a cache the run does
+    ``x_smaller_than_fp16_at_4096``, and ``perplexity_delta_pct_segments`` (the per-segment
+    deltas, a list). Only what was measured: ``{}`` for a cache the run does
     not hold. (Row names are registry names, checked by the tests; this module does not import
     the registry, so that ``kvlib plan`` stays free of torch and transformers.)
 
@@ -142,15 +145,22 @@ def cache_cost(name: str, results: Mapping[str, Any] | None = None) -> dict[str,
     entry = rows.get(name) if isinstance(rows, Mapping) else None
     if not isinstance(entry, Mapping):
         return {}
-    out = {}
+    out: dict[str, float | list[float]] = {}
     for field in _COST_FIELDS:
         value = _number(entry.get(field))
         if value is not None:
             out[field] = value
+    segments = entry.get("perplexity_delta_pct_segments")
+    if isinstance(segments, list):
+        values = [_number(x) for x in segments]
+        if values and all(v is not None for v in values):
+            out["perplexity_delta_pct_segments"] = [float(v) for v in values if v is not None]
     return out
 
 
-def cache_costs(results: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
+def cache_costs(
+    results: Mapping[str, Any] | None = None,
+) -> dict[str, dict[str, float | list[float]]]:
     """:func:`cache_cost` of every cache the cache benchmark measured, in its order."""
     results = _results(results)
     rows = run("cache", results).get("rows", {})

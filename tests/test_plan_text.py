@@ -166,3 +166,45 @@ def test_results_to_cite(tmp_path, monkeypatch):
         plan_text.results_to_cite(42)
     with pytest.raises(ValueError, match="does not exist"):
         plan_text.results_to_cite(tmp_path / "missing.json")
+
+
+def test_segment_ranges_decide_what_is_called_measurable():
+    """A delta whose segments straddle zero is no measurable cost, and a rotation whose
+    segments overlap the plain cache's is no measurable difference, whatever one segment says."""
+    seg = {
+        "schema_version": 1,
+        "runs": {
+            "cache": {
+                "source": "benchmarks/bench_cache.py",
+                "model": "TinyTest-1M",
+                "date": "2031-01-02",
+                "rows": {
+                    "kvlib-int4": {
+                        "perplexity_delta_pct": 0.25,
+                        "perplexity_delta_pct_segments": [0.25, -0.15, 0.1, 0.1],
+                    },
+                    "kvlib-int4-rot": {
+                        "perplexity_delta_pct": -0.11,
+                        "perplexity_delta_pct_segments": [-0.11, 0.2, 0.3, -0.05],
+                    },
+                    "kvlib-int2": {
+                        "perplexity_delta_pct": 7.2,
+                        "perplexity_delta_pct_segments": [7.2, 6.0, 5.5, 6.2],
+                    },
+                },
+            }
+        },
+    }
+    t = decide(LLAMA8, 24, 98304, 1)
+    assert t.kv_type == "kvlib-int4"
+    why = plan_text.reasons(t, seg)
+    assert "4 segments -0.15 % … +0.25 %: no measurable cost" in why[1]
+    assert why[2].startswith(
+        "int4 with a Hadamard rotation (kvlib-int4-rot): mean +0.085 % perplexity against "
+        "+0.075 % without, over 4 segments; no measurable difference"
+    )
+    int2 = plan_text.quality_note("int2", seg)
+    assert "4 segments +5.5 % … +7.2 %" in int2 and "no measurable" not in int2
+    seg["runs"]["cache"]["rows"]["kvlib-int4-rot"]["perplexity_delta_pct_segments"] = [-1, -0.9]
+    rot = plan_text.reasons(t, seg)[2]
+    assert "over 2 segments" in rot and "no measurable difference" not in rot
