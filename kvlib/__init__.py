@@ -38,6 +38,7 @@ module              what it holds                                               
 ``capacity``        what fits: predicted and searched max context and batch      07
 ``engines``         the KV-cache types each engine runs (vLLM, llama.cpp, …)     08
 ``plan_rule``       the planner's decision rule, in numbers                      08
+``plan_fallbacks``  what would fit a request that does not                      08
 ``plan_text``       the planner's reasons, watch-outs and summary                08
 ``plan_engines``    engine settings for transformers, vLLM and llama.cpp         08
 ``plan``            ``recommend()``: a deployable plan for a scenario            08
@@ -78,6 +79,7 @@ _SUBMODULES = (
     "pca",
     "plan",
     "plan_engines",
+    "plan_fallbacks",
     "plan_rule",
     "plan_text",
     "plot",

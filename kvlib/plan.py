@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlib import cache_registry, plan_engines, plan_rule, plan_text
+from kvlib import cache_registry, plan_engines, plan_fallbacks, plan_rule, plan_text
 from kvlib.plan_rule import Decision
 from kvlib.specs import ModelSpec, get_spec, spec_from_config
 from kvlib.validate import check_bits, check_int, check_number
@@ -221,7 +221,7 @@ def recommend(
         device=device,
         model=name,
     )
-    would_fit = plan_text.suggestions(d, plan_rule.fallbacks(d)) if not d.fits else ()
+    would_fit = plan_text.suggestions(d, plan_fallbacks.fallbacks(d)) if not d.fits else ()
     return Plan(
         **{f.name: getattr(d, f.name) for f in dataclasses.fields(Decision)},
         reasons=plan_text.reasons(d, cited),

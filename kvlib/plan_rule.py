@@ -39,7 +39,7 @@ in order:
    context fits the KV budget: ``"max"`` fp16 only; ``"balanced"`` fp16 → int8 → int4;
    ``"aggressive"`` … → int2. If none fits all sequences, the lowest such level and the number
    of sequences it does fit (status ``"reduced"``); if not even one sequence fits, or the
-   weights alone do not, status ``"impossible"``, and :func:`fallbacks` finds what would fit
+   weights alone do not, status ``"impossible"``, and :func:`kvlib.plan_fallbacks.fallbacks` finds what would fit
    (fewer tokens, the next quality level, lower weight bits, more GPUs, or both, or how much
    memory). The same rule, run for every engine, gives the plan's alternatives
    (:attr:`Decision.options`). Eight or more concurrent conversations → also store idle
@@ -76,7 +76,6 @@ __all__ = [
     "WEIGHT_BITS",
     "Decision",
     "EngineOption",
-    "Fallbacks",
     "KVSetting",
     "MemoryBudget",
     "Storage",
@@ -85,12 +84,12 @@ __all__ = [
     "choose_setting",
     "context_that_fits",
     "decide",
-    "fallbacks",
     "gpu_share",
     "idle_storage",
     "kv_sequence_bytes",
     "kv_types",
     "memory_budget",
+    "sequences_by_level",
     "sequences_that_fit",
     "storage",
     "valid_tp",
@@ -402,10 +401,11 @@ def _available(device: str, tp: int) -> tuple[str, ...]:
     return ("vllm",) if tp > 1 else engines.ENGINES
 
 
-def _fits(
+def sequences_by_level(
     spec: ModelSpec, budget: MemoryBudget, context_len: int, tp: int, engine: str
 ) -> dict[str, int]:
-    """Sequences each level ``engine`` runs fits at the full context, highest level first."""
+    """Sequences of ``context_len`` tokens that each level ``engine`` runs fits in ``budget``
+    (at that engine's type), highest level first."""
     kv_budget = budget.kv_budget_bytes
     return {
         name: sequences_that_fit(spec, kv_budget, context_len, t.storage, tp)
@@ -451,7 +451,7 @@ def _option(
     tp: int,
     engine: str,
 ) -> EngineOption:
-    fits = _fits(spec, budget, context_len, tp, engine)
+    fits = sequences_by_level(spec, budget, context_len, tp, engine)
     kv, status = choose_setting(fits, quality, concurrency)
     if kv is None:
         return EngineOption(engine, None, None, status, 0, 0, None)
@@ -561,7 +561,7 @@ def decide(
     }
     engine = choose_engine(device, concurrency, tp, options)
     types = kv_types(engine, spec)
-    fits = _fits(spec, budget, context_len, tp, engine)
+    fits = sequences_by_level(spec, budget, context_len, tp, engine)
     kv, status = choose_setting(fits, quality, concurrency)
     shown = kv or [n for n in QUALITY_LADDER[quality] if n in fits][-1]
     store, fp16 = types[shown].storage, types["fp16"].storage
@@ -592,99 +592,4 @@ def decide(
         max_context_fp16=context_that_fits(spec, kv_budget, concurrency, fp16, tp),
         sequences_by_setting=fits,
         options=options,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# what would fit, when the request does not
-
-
-@dataclass(frozen=True)
-class Fallbacks:
-    """What would fit a request that does not (status ``"reduced"`` or ``"impossible"``).
-
-    Each change is tried alone, keeping the rest of the request; a field is None when that change
-    does not make the whole request fit (or was not tried). ``(value, setting)`` pairs name the
-    setting the changed request would get.
-
-    Attributes:
-        context_len: the longest context at which all ``concurrency`` sequences fit at the lowest
-            allowed setting, capped at the model's ``max_position_embeddings`` when known (0:
-            none).
-        quality: the next quality level, when it fits the whole request.
-        weight_bits: the highest lower weight precision that fits the whole request.
-        num_gpus: the fewest GPUs of :data:`TP_CANDIDATES` (more than now) that fit; only tried
-            on a GPU with memory.
-        num_gpus_and_weight_bits: ``(num_gpus, weight_bits, setting)``: the fewest GPUs that fit
-            with lower-bit weights; only tried when lower weight bits alone do not fit.
-        memory_gib: device memory (GiB) the whole request needs at the lowest allowed setting.
-    """
-
-    context_len: int
-    quality: tuple[str, str] | None = None
-    weight_bits: tuple[int, str] | None = None
-    num_gpus: tuple[int, str] | None = None
-    num_gpus_and_weight_bits: tuple[int, int, str] | None = None
-    memory_gib: float = 0.0
-
-
-def _whole_request_with(
-    d: Decision,
-    *,
-    quality: str | None = None,
-    weight_bits: int | None = None,
-    tp: int | None = None,
-) -> str | None:
-    """The setting the request of ``d`` gets with one or two of its values changed, if all of
-    it then fits; else None."""
-    tp = tp or d.tensor_parallel_size
-    budget = memory_budget(d.spec, d.device, d.gpu_memory_gb, weight_bits or d.weight_bits, tp)
-    q = quality or d.quality
-    for engine in engine_candidates(d.device, d.concurrency, tp):
-        fits = _fits(d.spec, budget, d.context_len, tp, engine)
-        kv, status = choose_setting(fits, q, d.concurrency)
-        if status == "ok":
-            return kv
-    return None
-
-
-def fallbacks(d: Decision) -> Fallbacks:
-    """What would fit the request of ``d``: a shorter context, the next quality level, lower
-    weight bits, more GPUs, both, or more memory (see :class:`Fallbacks`)."""
-    lowest = d.lowest_setting
-    tp = d.tensor_parallel_size
-    by_quality = by_bits = by_gpus = by_both = None
-    if d.quality != QUALITIES[-1]:
-        nxt = QUALITIES[QUALITIES.index(d.quality) + 1]
-        kv = _whole_request_with(d, quality=nxt)
-        by_quality = (nxt, kv) if kv else None
-    lower_bits = [b for b in WEIGHT_BITS if b < d.weight_bits]
-    for wb in lower_bits:
-        if kv := _whole_request_with(d, weight_bits=wb):
-            by_bits = (wb, kv)
-            break
-    if d.device == "gpu" and d.gpu_memory_gb > 0:
-        more_gpus = [n for n in TP_CANDIDATES if n > tp and valid_tp(d.spec, n)]
-        for n in more_gpus:
-            if kv := _whole_request_with(d, tp=n):
-                by_gpus = (n, kv)
-                break
-        both = [(n, wb) for n in more_gpus for wb in reversed(lower_bits)] if not by_bits else []
-        for n, wb in both:
-            if kv := _whole_request_with(d, tp=n, weight_bits=wb):
-                by_both = (n, wb, kv)
-                break
-    store = kv_types(d.engine, d.spec)[lowest].storage
-    per_seq = kv_sequence_bytes(d.spec, d.context_len, store, tp)
-    need = d.budget.weights_bytes + d.budget.overhead_bytes + per_seq * d.concurrency
-    shorter = context_that_fits(d.spec, d.budget.kv_budget_bytes, d.concurrency, store, tp)
-    if d.spec.max_position_embeddings:  # memory may allow more than the model was trained on
-        shorter = min(shorter, d.spec.max_position_embeddings)
-    return Fallbacks(
-        context_len=shorter,
-        quality=by_quality,
-        weight_bits=by_bits,
-        num_gpus=by_gpus,
-        num_gpus_and_weight_bits=by_both,
-        memory_gib=need / (1 - HEADROOM_FRACTION[d.device]) / GIB,
     )

@@ -16,13 +16,13 @@ from typing import Any
 from kvlib import memory
 from kvlib import results as kvresults
 from kvlib.engines import EngineKV
+from kvlib.plan_fallbacks import Fallbacks
 from kvlib.plan_rule import (
     KV_SETTINGS,
     QUALITY_LADDER,
     TP_CANDIDATES,
     VLLM_BLOCK_SIZE,
     Decision,
-    Fallbacks,
     engine_candidates,
     kv_types,
 )
@@ -331,7 +331,7 @@ def _sequences(n: int) -> str:
 
 def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
     """What would fit a request that does not (``()`` when it does), from :func:`fallbacks
-    <kvlib.plan_rule.fallbacks>`."""
+    <kvlib.plan_fallbacks.fallbacks>`."""
     if d.fits:
         return ()
     lowest, n = d.lowest_setting, d.concurrency

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib import engines, memory, plan_rule, specs
+from kvlib.plan_fallbacks import fallbacks
 from kvlib.plan_rule import (
     EngineOption,
     choose_engine,
@@ -15,7 +16,6 @@ from kvlib.plan_rule import (
     context_that_fits,
     decide,
     engine_candidates,
-    fallbacks,
     gpu_share,
     idle_storage,
     kv_sequence_bytes,

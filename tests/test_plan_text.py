@@ -8,7 +8,8 @@ import re
 import pytest
 
 from kvlib import engines, memory, plan_text, specs
-from kvlib.plan_rule import decide, fallbacks
+from kvlib.plan_fallbacks import fallbacks
+from kvlib.plan_rule import decide
 
 LLAMA8 = specs.get_spec("llama-3.1-8b")
 MEAS = {
