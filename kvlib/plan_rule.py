@@ -91,7 +91,6 @@ __all__ = [
     "memory_budget",
     "sequences_by_level",
     "sequences_that_fit",
-    "storage",
     "valid_tp",
 ]
 
@@ -128,14 +127,13 @@ class KVSetting:
     name: str
     bits: int
     cache_name: str
-    description: str
 
 
 KV_SETTINGS: dict[str, KVSetting] = {
-    "fp16": KVSetting("fp16", 16, "dynamic-fp16", "full precision (fp16/bf16)"),
-    "int8": KVSetting("int8", 8, "kvlib-int8", "8-bit"),
-    "int4": KVSetting("int4", 4, "kvlib-int4", "4-bit"),
-    "int2": KVSetting("int2", 2, "kvlib-int2", "2-bit"),
+    "fp16": KVSetting("fp16", 16, "dynamic-fp16"),
+    "int8": KVSetting("int8", 8, "kvlib-int8"),
+    "int4": KVSetting("int4", 4, "kvlib-int4"),
+    "int2": KVSetting("int2", 2, "kvlib-int2"),
 }
 
 #: Which settings each quality level may use, highest precision first.
@@ -158,19 +156,6 @@ def kv_types(engine: str, spec: ModelSpec) -> dict[str, EngineKV]:
     if engine == "transformers" and spec.num_sliding_layers > 0:
         return {"fp16": types["fp16"]}
     return types
-
-
-def storage(setting: str, engine: str = "llama.cpp") -> Storage:
-    """``(bits, group_size, group_meta_bits)`` of a level on an engine:
-    ``storage("int4", "llama.cpp") == (4, 32, 16)`` (q4_0).
-
-    Raises:
-        ValueError: the engine has no KV type at that level.
-    """
-    types = engines.planned(engine)
-    if setting not in types:
-        raise ValueError(f"{engine} has no {setting} KV cache (it runs {', '.join(types)})")
-    return types[setting].storage
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,11 +420,6 @@ class EngineOption:
     sequences: int
     max_context: int
     effective_bits: float | None
-
-    @property
-    def num_sequences(self) -> int:
-        """Sequences this engine's settings provision for (what fits, at most the request)."""
-        return self.sequences
 
 
 def _option(

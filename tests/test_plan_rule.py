@@ -218,7 +218,7 @@ def test_fallback_context_is_capped_at_the_models_maximum():
     from kvlib import plan_text
 
     huge = decide(LLAMA8, 24, 10**11)
-    lowest = plan_rule.storage(huge.lowest_setting, huge.engine)
+    lowest = plan_rule.kv_types(huge.engine, LLAMA8)[huge.lowest_setting].storage
     memory_only = context_that_fits(LLAMA8, huge.budget.kv_budget_bytes, 1, lowest)
     assert memory_only > LLAMA8.max_position_embeddings  # the cap is what binds here
     fb = fallbacks(huge)
