@@ -73,6 +73,8 @@ def tradeoff(
 ) -> Any:
     """Scatter of quality cost against size, one labelled point per method.
 
+    Labels are placed so that they do not overlap each other or the points (adjustText).
+
     Args:
         points: ``{label: (x, y)}`` or ``[(label, x, y), ...]`` — e.g. bytes per token and
             perplexity delta for each cache.
@@ -87,6 +89,7 @@ def tradeoff(
         raise ValueError("tradeoff() needs at least one point")
     ax = _axes(ax)
     colours: dict[str, Any] = {}
+    texts = []
     for label, x, y in rows:
         group = (groups or {}).get(label, label if groups is None else "other")
         if group not in colours:
@@ -95,7 +98,7 @@ def tradeoff(
         else:
             legend = None
         ax.scatter([x], [y], color=colours[group], label=legend, zorder=3)
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        texts.append(ax.text(x, y, label, fontsize=8))
     if logx:
         ax.set_xscale("log")
     if logy:
@@ -107,7 +110,25 @@ def tradeoff(
         ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
+    _spread_labels(ax, texts, [r[1] for r in rows], [r[2] for r in rows])
     return ax
+
+
+def _spread_labels(ax: Any, texts: list[Any], xs: list[float], ys: list[float]) -> None:
+    """Move point labels apart so that none overlaps another or a point (adjustText), with a
+    thin line back to its point where a label had to move away."""
+    from adjustText import adjust_text
+
+    ax.margins(0.08, 0.12)  # room for labels at the edges
+    ax.autoscale_view()
+    limits = ax.get_xlim(), ax.get_ylim()
+    ax.figure.canvas.draw()  # scales and limits are final before the labels move
+    adjust_text(
+        texts, x=xs, y=ys, ax=ax, expand=(1.15, 1.3),
+        arrowprops={"arrowstyle": "-", "color": "0.5", "lw": 0.5},
+    )  # fmt: skip
+    ax.set_xlim(*limits[0])  # labels move; the data's view does not
+    ax.set_ylim(*limits[1])
 
 
 def _pair(xy: Sequence[Any]) -> tuple[float, float]:

@@ -102,3 +102,18 @@ def test_serving_panels() -> None:
     with pytest.raises(ValueError, match="at least one"):
         plot.serving_panels({})
     plt.close("all")
+
+
+def test_tradeoff_labels_do_not_overlap():
+    """Clustered points (as notebook 04's 20 caches are) get labels that do not overlap."""
+
+    points = {f"cache-{i}": (1000 + 15 * i, 0.1 + 0.01 * (i % 3)) for i in range(8)}
+    points["far"] = (40000, 5.0)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    plot.tradeoff(points, ax=ax, logy=True)
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert len(boxes) == len(points)
+    overlaps = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)]
+    assert not overlaps
+    plt.close(fig)
