@@ -21,7 +21,7 @@ PORTABLE_PATHS ?= "$(NBVAL_PATH_2)" "OMP_NUM_THREADS=2 MKL_CBWR=COMPATIBLE" \
 CELL_TIMEOUT := 150
 NBVAL_OPTS := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) -p no:cacheprovider
 
-.PHONY: setup run test unit nbval nbval-portable lint format notebooks student bench lab clean
+.PHONY: setup run test unit nbval nbval-portable lint format notebooks student bench peers bench-peers lab clean
 
 setup: $(STAMP)
 
@@ -80,7 +80,22 @@ student: setup
 	$(VPY) scripts/nb.py run --timeout $(CELL_TIMEOUT) --out build/student/run build/student/*.ipynb
 
 bench: setup
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
+	@for b in $(filter-out $(PEER_BENCHES),$(wildcard benchmarks/bench_*.py)); do echo "== $$b"; $(VPY) $$b || exit 1; done
+
+## peers: build llama-cpp-python (llama.cpp) into the environment, for benchmarks/bench_engines.py.
+## Not part of setup or test: it compiles llama.cpp from source, about 10 minutes on 2 cores.
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+# On x86-64 a portable AVX2 build: a native build on a CPU with AMX crashed here on every
+# multi-token batch, and an AVX2 build runs on the Intel and the AMD machines alike.
+LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+PEER_BENCHES := benchmarks/bench_engines.py
+peers: setup
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(VPY) -m pip install -q --disable-pip-version-check --no-cache-dir "$(LLAMA_CPP_SPEC)"
+	$(VPY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'built')"
+
+## bench-peers: the benchmarks that need `make peers` (llama.cpp's KV-cache types)
+bench-peers: peers
+	$(VPY) benchmarks/bench_engines.py
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/

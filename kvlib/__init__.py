@@ -24,6 +24,7 @@ module              what it holds                                               
 ``recipes``         KV quantization recipes (KIVI layout, rotation, windows)     02, 03
 ``capture``         capturing a real model's Q/K/V, attention-output error       02, 03
 ``cache``           a quantized KV cache that plugs into transformers            04
+``hf_probe``        transformers quantized layers, probed (private quantizer)    04
 ``quality``         perplexity with the cache really read, generation speed      04, 05
 ``pca``             PCA basis of the cache: calibration and fitting              05
 ``kvtc``            KV-cache transform coding: the codec and its byte format     05
@@ -42,6 +43,7 @@ module              what it holds                                               
 ``plan_text``       the planner's reasons, watch-outs and summary                08
 ``plan_engines``    engine settings for transformers, vLLM and llama.cpp         08
 ``plan``            ``recommend()``: a deployable plan for a scenario            08
+``summary``         the series in one table, from the measured results           08
 ``plot``            the notebooks' shared plots; ``interactive()`` for widgets   all
 ``cli``             the ``kvlib`` command line (memory, plan, models)            08
 ==================  ===========================================================  ==========
@@ -70,6 +72,7 @@ _SUBMODULES = (
     "data",
     "device",
     "engines",
+    "hf_probe",
     "kvtc",
     "memory",
     "model_choice",
@@ -90,6 +93,7 @@ _SUBMODULES = (
     "rope",
     "serving",
     "specs",
+    "summary",
     "validate",
 )
 

@@ -28,16 +28,40 @@ group_size, group_meta_bits)``:
 vLLM has no 4- or 2-bit KV cache and llama.cpp no 2-bit one: the planner's ladder skips those
 levels for those engines. Sources: vLLM's ``--kv-cache-dtype`` choices, llama.cpp's
 ``--cache-type-k/-v`` list and ggml's block layouts (``ggml-common.h``).
+
+**Mixed K/V types.** llama.cpp sets the key and value caches apart (``-ctk q8_0 -ctv q4_0``).
+Such a pair is named ``"q8_0/q4_0"`` (keys/values) and priced at the mean of its two types, which
+is exact wherever keys and values have the same width (every model but MLA ones, for which the
+planner does not offer pairs).
+
+**Chosen from measurements.** Where a results file holds llama.cpp's measured types
+(``benchmarks/bench_engines.py``, run ``"llama.cpp"``), :func:`candidates` offers at the int4
+level every measured type below q8_0's bytes, best measured quality first, and the planner takes
+the first that holds the request (``K q8_0, V q4_0`` before ``q4_0``); without measurements the
+level is ``q4_0`` alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvlib import cache_registry
+from kvlib import results as kvresults
 from kvlib.memory import GROUP_META_BITS
 
-__all__ = ["ENGINES", "KV_TYPES", "LEVELS", "EngineKV", "accepts", "kv_type", "planned"]
+__all__ = [
+    "ENGINES",
+    "KV_TYPES",
+    "LEVELS",
+    "EngineKV",
+    "accepts",
+    "candidates",
+    "kv_type",
+    "measured_llama_cpp",
+    "planned",
+]
 
 #: The engines a plan gives settings for, in the order plans list them.
 ENGINES: tuple[str, ...] = ("transformers", "vllm", "llama.cpp")
@@ -83,6 +107,18 @@ class EngineKV:
         return self.bits + self.group_meta_bits / self.group_size
 
     @property
+    def cache_types(self) -> tuple[str, str]:
+        """``(key type, value type)``: ``("q8_0", "q4_0")`` for ``"q8_0/q4_0"``, else the name
+        twice."""
+        k, _, v = self.name.partition("/")
+        return (k, v or k)
+
+    @property
+    def mixed(self) -> bool:
+        """Keys and values in different types (priced at their mean, see the module doc)."""
+        return "/" in self.name
+
+    @property
     def storage(self) -> tuple[int, int | None, int]:
         """``(bits, group_size, group_meta_bits)`` as :func:`kvlib.memory.kv_cache_bytes` takes
         them."""
@@ -101,6 +137,20 @@ def _ggml(name: str, level: str | None, bits: int, meta_bits: int) -> EngineKV:
     return EngineKV("llama.cpp", name, level, bits, _GGML_BLOCK, meta_bits, True)
 
 
+def _ggml_pair(key: EngineKV, value: EngineKV) -> EngineKV:
+    """Keys in one ggml type and values in another, priced at their mean bits and metadata."""
+    return EngineKV(
+        "llama.cpp", f"{key.name}/{value.name}", None, (key.bits + value.bits) // 2,
+        _GGML_BLOCK, (key.group_meta_bits + value.group_meta_bits) // 2, True,
+    )  # fmt: skip
+
+
+_Q8_0 = _ggml("q8_0", "int8", 8, _FP16)
+_Q4_0 = _ggml("q4_0", "int4", 4, _FP16)
+_IQ4_NL = _ggml("iq4_nl", None, 4, _FP16)
+_Q4_1 = _ggml("q4_1", None, 4, 2 * _FP16)
+
+
 #: Every KV type each engine accepts.
 KV_TYPES: tuple[EngineKV, ...] = (
     _kvlib("fp16", "dynamic-fp16"),
@@ -112,12 +162,17 @@ KV_TYPES: tuple[EngineKV, ...] = (
     EngineKV("vllm", "fp8_e4m3", None, 8, measured_as="hf-fp8"),
     EngineKV("vllm", "fp8_e5m2", None, 8),
     EngineKV("llama.cpp", "f16", "fp16", 16, measured_as="dynamic-fp16"),
-    _ggml("q8_0", "int8", 8, _FP16),
-    _ggml("q4_0", "int4", 4, _FP16),
-    _ggml("iq4_nl", None, 4, _FP16),
-    _ggml("q4_1", None, 4, 2 * _FP16),
+    _Q8_0,
+    _Q4_0,
+    _IQ4_NL,
+    _Q4_1,
     _ggml("q5_0", None, 5, _FP16),
     _ggml("q5_1", None, 5, 2 * _FP16),
+    # 8-bit keys (the side with outlier channels) next to 4-bit values: pairs whose mean width
+    # is whole, so that they are priced exactly
+    _ggml_pair(_Q8_0, _Q4_0),
+    _ggml_pair(_Q8_0, _IQ4_NL),
+    _ggml_pair(_Q8_0, _Q4_1),
 )
 
 
@@ -153,3 +208,46 @@ def planned(engine: str) -> dict[str, EngineKV]:
     _check_engine(engine)
     by_level = {t.level: t for t in KV_TYPES if t.engine == engine and t.level is not None}
     return {level: by_level[level] for level in LEVELS if level in by_level}
+
+
+def measured_llama_cpp(results: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """llama.cpp types measured by ``benchmarks/bench_engines.py`` (run ``"llama.cpp"``) → mean
+    perplexity delta (%) against llama.cpp's own f16 cache, keyed by the names of
+    :data:`KV_TYPES` (the run's ``"k-q8_0/v-q4_0"`` rows become ``"q8_0/q4_0"``). Empty when the
+    results hold no such run."""
+    rows = kvresults.run("llama.cpp", results).get("rows", {})
+    out: dict[str, float] = {}
+    for row in rows.values() if isinstance(rows, Mapping) else ():
+        if not isinstance(row, Mapping) or "perplexity_delta_pct_mean" not in row:
+            continue
+        k, v = row.get("type_k"), row.get("type_v")
+        name = k if k == v else f"{k}/{v}"
+        if accepts("llama.cpp", name):
+            out[name] = float(row["perplexity_delta_pct_mean"])
+    return out
+
+
+def candidates(engine: str, level: str, results: Mapping[str, Any] | None = None) -> list[EngineKV]:
+    """The types the planner may use for ``engine`` at ``level``, preferred first.
+
+    One type (:func:`planned`) everywhere but llama.cpp's int4 level: with llama.cpp's
+    measurements in ``results``, every measured type that stores less than q8_0 and no less than
+    q4_0, best measured quality first (smaller first on a tie); without them, q4_0 alone. A level
+    the engine does not run gives ``[]``.
+    """
+    base = planned(engine).get(level)
+    if base is None:
+        return []
+    if engine != "llama.cpp" or level != "int4":
+        return [base]
+    measured = measured_llama_cpp(results)
+    top = kv_type("llama.cpp", "q8_0").effective_bits
+    pool = [
+        t
+        for t in KV_TYPES
+        if t.engine == "llama.cpp" and t.name in measured
+        and base.effective_bits <= t.effective_bits < top
+    ]  # fmt: skip
+    if not pool:
+        return [base]
+    return sorted(pool, key=lambda t: (measured[t.name], t.effective_bits))

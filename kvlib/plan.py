@@ -102,7 +102,9 @@ class Plan(Decision):
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict: every field, the budget, and the engine settings."""
-        internal = ("spec", "budget", "results", "sequences_by_setting", "options")
+        internal = (
+            "spec", "budget", "results", "sequences_by_setting", "options", "types_by_setting",
+        )  # fmt: skip
         out = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -116,6 +118,7 @@ class Plan(Decision):
         out["fits"] = self.fits
         out["buys"] = self.buys
         out["sequences_by_setting"] = dict(self.sequences_by_setting)
+        out["types_by_setting"] = {k: t.name for k, t in self.types_by_setting.items()}
         out["options"] = {e: dataclasses.asdict(o) for e, o in self.options.items()}
         settings = {
             "transformers": self.to_transformers,
@@ -220,6 +223,7 @@ def recommend(
         num_gpus,
         device=device,
         model=name,
+        results=cited,
     )
     would_fit = plan_text.suggestions(d, plan_fallbacks.fallbacks(d)) if not d.fits else ()
     return Plan(

@@ -84,21 +84,23 @@ def llama_cpp_flags(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
     """Flags for ``llama-server`` / ``llama-cli``.
 
     llama.cpp reserves ``-c`` tokens up front and splits them across ``-np`` parallel slots, so
-    ``-c`` is context × slots, and the slot count is what fits at the cache type (``f16``,
-    ``q8_0`` = 8.5 or ``q4_0`` = 4.5 bits per value; it has no 2-bit type). A quantized V cache
-    needs flash attention (``-fa on``).
+    ``-c`` is context × slots, and the slot count is what fits at the cache types (``f16``,
+    ``q8_0`` = 8.5 or ``q4_0`` = 4.5 bits per value, or keys and values apart, ``q8_0/q4_0``;
+    it has no 2-bit type). A quantized V cache needs flash attention (``-fa on``).
 
     Raises:
         ValueError: not one sequence fits even at q4_0 (``hint`` says what would).
     """
     o = _option(d, "llama.cpp", hint)
     assert o.kv_type is not None
-    quantized = engines.kv_type("llama.cpp", o.kv_type).needs_flash_attention
+    t = engines.kv_type("llama.cpp", o.kv_type)
+    key_type, value_type = t.cache_types  # "q8_0/q4_0": keys q8_0, values q4_0
+    quantized = t.needs_flash_attention
     return {
         "-c": d.context_len * o.sequences,
         "-np": o.sequences,
-        "--cache-type-k": o.kv_type,
-        "--cache-type-v": o.kv_type,
+        "--cache-type-k": key_type,
+        "--cache-type-v": value_type,
         "-fa": "on" if quantized else "auto",
         "-ngl": 0 if d.device == "cpu" else 999,
     }

@@ -55,6 +55,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvlib import engines, memory
 from kvlib.engines import EngineKV
@@ -90,6 +91,7 @@ __all__ = [
     "kv_types",
     "memory_budget",
     "sequences_by_level",
+    "types_by_level",
     "sequences_that_fit",
     "valid_tp",
 ]
@@ -398,6 +400,41 @@ def sequences_by_level(
     }
 
 
+def _priced_exactly(t: EngineKV, spec: ModelSpec) -> bool:
+    """A mixed K/V type is priced at its mean width: exact only where keys and values have the
+    same width (not MLA)."""
+    return not t.mixed or (not spec.is_mla and spec.head_dim == spec.v_head_dim)
+
+
+def types_by_level(
+    spec: ModelSpec,
+    budget: MemoryBudget,
+    context_len: int,
+    concurrency: int,
+    tp: int,
+    engine: str,
+    results: Mapping[str, Any] | None = None,
+) -> dict[str, tuple[EngineKV, int]]:
+    """For each level ``engine`` runs: the type it uses there and the sequences that type fits.
+
+    Where a level has several candidates (:func:`kvlib.engines.candidates`: llama.cpp's measured
+    types at int4), the first, best-measured one that fits ``concurrency`` sequences; if none
+    does, the one that fits the most (the better measured on a tie).
+    """
+    kv_budget = budget.kv_budget_bytes
+    out: dict[str, tuple[EngineKV, int]] = {}
+    for level, default in kv_types(engine, spec).items():
+        pool = [t for t in engines.candidates(engine, level, results) if _priced_exactly(t, spec)]
+        fits = [
+            (t, sequences_that_fit(spec, kv_budget, context_len, t.storage, tp))
+            for t in pool or [default]
+        ]
+        out[level] = next(
+            ((t, n) for t, n in fits if n >= concurrency), max(fits, key=lambda tn: tn[1])
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class EngineOption:
     """What one engine can do for a request: the rule of :func:`choose_setting` run on the KV
@@ -430,12 +467,14 @@ def _option(
     quality: str,
     tp: int,
     engine: str,
+    results: Mapping[str, Any] | None = None,
 ) -> EngineOption:
-    fits = sequences_by_level(spec, budget, context_len, tp, engine)
+    chosen = types_by_level(spec, budget, context_len, concurrency, tp, engine, results)
+    fits = {level: n for level, (_, n) in chosen.items()}
     kv, status = choose_setting(fits, quality, concurrency)
     if kv is None:
         return EngineOption(engine, None, None, status, 0, 0, None)
-    t = kv_types(engine, spec)[kv]
+    t = chosen[kv][0]
     return EngineOption(
         engine=engine,
         kv=kv,
@@ -489,6 +528,9 @@ class Decision:
     max_context_fp16: int
     sequences_by_setting: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
     options: Mapping[str, EngineOption] = field(default_factory=dict, repr=False, compare=False)
+    types_by_setting: Mapping[str, EngineKV] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def fits(self) -> bool:
@@ -512,7 +554,7 @@ class Decision:
     @property
     def kv_storage(self) -> EngineKV | None:
         """The engine's KV type the plan uses (None when nothing fits)."""
-        return kv_types(self.engine, self.spec)[self.kv] if self.kv else None
+        return self.types_by_setting[self.kv] if self.kv else None
 
 
 def decide(
@@ -526,22 +568,25 @@ def decide(
     *,
     device: str = "gpu",
     model: str | None = None,
+    results: Mapping[str, Any] | None = None,
 ) -> Decision:
     """Rules 1–4 for a request that is already valid (:func:`kvlib.plan.recommend` checks it).
 
     ``gpu_memory_gb`` is GiB per device; ``num_gpus`` is the tensor-parallel size; ``model`` is
-    the name to show (default: the spec's).
+    the name to show (default: the spec's); ``results`` holds the measurements that choose
+    among an engine's types at one level (:func:`types_by_level`; ``None``: the default file).
     """
     tp = num_gpus
     budget = memory_budget(spec, device, gpu_memory_gb, weight_bits, tp)
     options = {
-        e: _option(spec, budget, context_len, concurrency, quality, tp, e)
+        e: _option(spec, budget, context_len, concurrency, quality, tp, e, results)
         for e in engines.ENGINES
         if e in _available(device, tp)
     }
     engine = choose_engine(device, concurrency, tp, options)
-    types = kv_types(engine, spec)
-    fits = sequences_by_level(spec, budget, context_len, tp, engine)
+    chosen = types_by_level(spec, budget, context_len, concurrency, tp, engine, results)
+    types = {level: t for level, (t, _) in chosen.items()}
+    fits = {level: n for level, (_, n) in chosen.items()}
     kv, status = choose_setting(fits, quality, concurrency)
     shown = kv or [n for n in QUALITY_LADDER[quality] if n in fits][-1]
     store, fp16 = types[shown].storage, types["fp16"].storage
@@ -572,4 +617,5 @@ def decide(
         max_context_fp16=context_that_fits(spec, kv_budget, concurrency, fp16, tp),
         sequences_by_setting=fits,
         options=options,
+        types_by_setting=types,
     )

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvlib import memory
+from kvlib import engines, memory
 from kvlib import results as kvresults
 from kvlib.engines import EngineKV
 from kvlib.plan_fallbacks import Fallbacks
@@ -24,7 +24,6 @@ from kvlib.plan_rule import (
     VLLM_BLOCK_SIZE,
     Decision,
     engine_candidates,
-    kv_types,
 )
 
 __all__ = [
@@ -155,7 +154,7 @@ def _why_setting(d: Decision) -> list[str]:
     if d.kv is None:
         return [
             f"one sequence of {d.context_len:,} tokens needs {h(d.kv_bytes_per_sequence)}{per} "
-            f"even at {_label(kv_types(d.engine, d.spec)[d.lowest_setting])}, but only "
+            f"even at {_label(d.types_by_setting[d.lowest_setting])}, but only "
             f"{h(b.kv_budget_bytes)} is left for the KV cache"
         ]
     need = h(d.concurrency * d.kv_bytes_per_sequence_fp16)
@@ -166,7 +165,7 @@ def _why_setting(d: Decision) -> list[str]:
         ]
     ladder = [n for n in QUALITY_LADDER[d.quality] if n in fits]
     higher = ladder[: ladder.index(d.kv)]
-    types = kv_types(d.engine, d.spec)
+    types = d.types_by_setting
     return [
         f"{d.concurrency} × {d.context_len:,} tokens need {need}{per} at fp16 but only "
         f"{h(b.kv_budget_bytes)} is left; "
@@ -180,7 +179,10 @@ def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
     t = d.kv_storage
     if t is None:
         return []
-    if t.measured_as is not None:
+    measured = engines.measured_llama_cpp(results) if d.engine == "llama.cpp" else {}
+    if t.name in measured:
+        out = [_llama_cpp_note(t, measured, results)]
+    elif t.measured_as is not None:
         out = [quality_note(d.kv, results, t.measured_as, label=_label(t))]
     else:
         out = [
@@ -204,6 +206,27 @@ def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
         elif "perplexity_delta_pct" in rot:
             out.append(head + f"{_fmt_pct(rot['perplexity_delta_pct'])} perplexity {where}")
     return out
+
+
+def _llama_cpp_note(t: EngineKV, measured: Mapping[str, float], results: Mapping[str, Any]) -> str:
+    """The measured cost of a llama.cpp type against llama.cpp's own f16 cache, next to the
+    level's smallest type, q4_0 (why a pair like q8_0/q4_0 can be the better buy)."""
+    run = kvresults.run("llama.cpp", results)
+    k, v = t.cache_types
+    name = f"K {k}, V {v}" if t.mixed else t.name
+    line = (
+        f"{name} (llama.cpp): {_fmt_pct(measured[t.name])} perplexity on average over "
+        f"{run.get('settings', {}).get('segments', '?')} segments against llama.cpp's own f16 "
+        f"cache, {t.effective_bits:g} bits per value"
+    )
+    base = engines.planned("llama.cpp")["int4"].name  # q4_0: the level's type without measurements
+    if (
+        base in measured
+        and t.name != base
+        and t.effective_bits < engines.kv_type("llama.cpp", "q8_0").effective_bits
+    ):
+        line += f"; {base} for both, the smallest, measured {_fmt_pct(measured[base])}"
+    return line + f" {kvresults.provenance(run)}"
 
 
 def _segments(cost: Mapping[str, Any]) -> list[float]:
@@ -266,7 +289,7 @@ def reasons(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     out = _why_setting(d) + _why_measured(d, results)
     if d.status == "reduced":
         out.append(
-            f"even at {_label(kv_types(d.engine, d.spec)[d.lowest_setting])} (the lowest "
+            f"even at {_label(d.types_by_setting[d.lowest_setting])} (the lowest "
             f"{d.engine} runs that quality={d.quality!r} allows) only "
             f"{d.sequences_by_setting[d.lowest_setting]} of {d.concurrency} sequences fit at "
             "the full context"
@@ -335,7 +358,7 @@ def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
     if d.fits:
         return ()
     lowest, n = d.lowest_setting, d.concurrency
-    lowest_type = _label(kv_types(d.engine, d.spec)[lowest])
+    lowest_type = _label(d.types_by_setting[lowest])
     out: list[str] = []
     if d.kv is not None:
         out.append(

@@ -22,9 +22,10 @@ __all__ = ["CODE_BITS", "PRICED_BITS", "check_bits", "check_int", "check_number"
 #: Bit widths kvlib packs into integer codes (:func:`kvlib.packing.pack`).
 CODE_BITS: tuple[int, ...] = (2, 3, 4, 8)
 
-#: Bit widths the memory math prices: the codes, 5 (llama.cpp's q5_0/q5_1 caches) and
-#: full-precision fp16/bf16 and fp32.
-PRICED_BITS: tuple[int, ...] = (2, 3, 4, 5, 8, 16, 32)
+#: Bit widths the memory math prices: the codes, 5 (llama.cpp's q5_0/q5_1 caches), 6 (the
+#: mean of 8-bit keys and 4-bit values, llama.cpp's ``-ctk q8_0 -ctv q4_0``) and full-precision
+#: fp16/bf16 and fp32.
+PRICED_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 16, 32)
 
 
 def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:

@@ -125,7 +125,7 @@ def test_models(capsys):
             "--num-gpus",
         ),
         (
-            ["memory", "--model", "llama-3.1-8b", "--context", "8k", "--bits", "6"],
+            ["memory", "--model", "llama-3.1-8b", "--context", "8k", "--bits", "7"],
             1,
             "bits must be one of",
         ),

@@ -155,19 +155,19 @@ def test_scale_only_groups_price_llama_cpp_blocks_exactly():
 # -- bad input -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [0, 1, 6, 7, 12, 64, -4])
+@pytest.mark.parametrize("bits", [0, 1, 7, 12, 64, -4])
 def test_bad_bits(bits):
     with pytest.raises(
-        ValueError, match=rf"bits must be one of 2, 3, 4, 5, 8, 16, 32 \(got {bits}\)"
+        ValueError, match=rf"bits must be one of 2, 3, 4, 5, 6, 8, 16, 32 \(got {bits}\)"
     ):
         kv_cache_bytes("smollm2-135m", 10, bits=bits)
-    with pytest.raises(ValueError, match="bits must be one of 2, 3, 4, 5, 8, 16, 32"):
+    with pytest.raises(ValueError, match="bits must be one of 2, 3, 4, 5, 6, 8, 16, 32"):
         kv_bytes_per_token("smollm2-135m", bits=bits)
 
 
 @pytest.mark.parametrize("bits", [4.0, "8", True, None])
 def test_bits_of_the_wrong_kind(bits):
-    with pytest.raises(TypeError, match=r"bits must be an int, one of 2, 3, 4, 5, 8, 16, 32"):
+    with pytest.raises(TypeError, match=r"bits must be an int, one of 2, 3, 4, 5, 6, 8, 16, 32"):
         kv_cache_bytes("smollm2-135m", 10, bits=bits)
 
 
@@ -198,7 +198,7 @@ def test_bad_memory_inputs():
     with pytest.raises(ValueError, match="overhead_bytes"):
         max_context("llama-3.1-8b", GPUS["H100 80GB"], overhead_bytes=-5)
     with pytest.raises(ValueError, match="weight_bits must be one of"):
-        max_context("llama-3.1-8b", GPUS["H100 80GB"], weight_bits=6)
+        max_context("llama-3.1-8b", GPUS["H100 80GB"], weight_bits=7)
     with pytest.raises(ValueError, match=r"seq_len must be an int >= 1 \(got 0\)"):
         max_batch("llama-3.1-8b", GPUS["H100 80GB"], 0)
     with pytest.raises(ValueError, match="num_params is unknown"):

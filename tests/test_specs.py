@@ -67,8 +67,8 @@ def test_weights_bytes():
     assert spec.weights_bytes(bits=3) == 376  # 3003 bits
     with pytest.raises(ValueError, match="num_params is unknown"):
         ModelSpec("x", 1, 1, 1, 1).weights_bytes()
-    with pytest.raises(ValueError, match="bits must be one of 2, 3, 4, 5, 8, 16, 32"):
-        spec.weights_bytes(bits=6)
+    with pytest.raises(ValueError, match="bits must be one of 2, 3, 4, 5, 6, 8, 16, 32"):
+        spec.weights_bytes(bits=7)
 
 
 def test_numpy_integers_are_accepted_as_ints():
