@@ -56,6 +56,14 @@ rotating the queries because a cache cannot reach the queries; the price is one
 (head_dim x head_dim) matmul over the quantized keys per read, which makes rotated decoding
 slower (see benchmarks/RESULTS.md).
 
+Fused decoding (``fused_decode``, notebook 09): on CUDA, a single-token decode step does not
+dequantize at all. ``update`` returns the new token's states tagged with the layer's packed
+state, and the attention function :mod:`kvlib.fused_attention` registers (``"kvlib_fused"``,
+sdpa for everything else; a model on ``"sdpa"`` is switched to it on the first fused step)
+runs the Triton kernel of :mod:`kvlib.kernels` over the codes, unpacking them in registers and
+rotating the query instead of the keys. Prefill, CPU tensors, models on eager/flash/flex
+attention and ``fused_decode=False`` take the torch path above.
+
 Limits: only ``"full_attention"`` layers (sliding-window, chunked, linear-attention or shared
 layers raise ``ValueError``); no ``crop`` (assisted decoding); float16 scales fall back to
 float32 per quantized block where float16 cannot hold them (see :mod:`kvlib.quant`).
@@ -69,7 +77,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlib import compat
+from kvlib import compat, fused_attention
+from kvlib.fused_attention import FusedStep
+from kvlib.kernels import PackedKV, interpreter_mode, triton_available
 from kvlib.quant import QuantizedTensor, hadamard, quantize
 from kvlib.specs import kv_geometry
 from kvlib.validate import check_bits, check_int
@@ -125,6 +135,12 @@ def default_rotate(key_bits: int, head_dim: int) -> bool:
     return key_bits <= 3 and head_dim > 0 and not head_dim & (head_dim - 1)
 
 
+def _check_fused_decode(fused_decode: Any) -> bool | None:
+    if fused_decode is not None and not isinstance(fused_decode, bool):
+        raise TypeError(f"fused_decode must be True, False or None (auto) (got {fused_decode!r})")
+    return fused_decode
+
+
 def _check_key_group_size(key_group_size: Any, residual_length: int, key_bits: int) -> int:
     """Tokens per key scale group; ``None``: :func:`default_key_group_size`."""
     if key_group_size is None:
@@ -157,6 +173,10 @@ class QuantizedKVLayer(CacheLayerMixin):
       ``group_size`` (per-token); scales ``(n, batch, kv_heads, residual_length, G, 1)``;
     * ``residual_keys`` / ``residual_values``: ``(batch, kv_heads, r, head_dim)``.
 
+    ``fused_decode`` (``None``: auto, on CUDA; ``True``: always, CPU tensors in Triton's
+    interpreter included; ``False``: never) sends single-token steps to the fused kernel
+    (module docstring); it needs ``config``, the model's text config, set by the cache.
+
     Blocks are stored block-major so that appending one never touches the codes already held.
     """
 
@@ -174,6 +194,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         rotation: torch.Tensor | None = None,
         window_dtype: torch.dtype | None = None,
         key_group_size: int | None = None,
+        fused_decode: bool | None = None,
     ) -> None:
         super().__init__()
         self.key_bits = check_bits(key_bits, "key_bits")
@@ -194,6 +215,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             )
         self.window_dtype_option = window_dtype
         self.rotation = rotation  # (head_dim, head_dim) orthonormal, shared by all layers
+        self.fused_decode = _check_fused_decode(fused_decode)
+        self.config: Any = None  # the model's text config (fused decoding), set by the cache
+        # the last fused step, shared by all layers of a cache: an unread one is an error
+        self._last_step: list[FusedStep | None] = [None]
         self._clear()
 
     # ------------------------------------------------------------------ state
@@ -360,13 +385,58 @@ class QuantizedKVLayer(CacheLayerMixin):
             outs.append(out)
         return outs[0], outs[1]
 
+    def packed(
+        self, key_states: torch.Tensor | None = None, value_states: torch.Tensor | None = None
+    ) -> PackedKV:
+        """The layer's state as the fused kernel reads it (:class:`kvlib.kernels.PackedKV`),
+        nothing copied but the window: ``key_states`` / ``value_states``
+        ``(batch, kv_heads, q, head_dim)``, when given, follow the window in their own dtype
+        (the window is cast to it), as the torch path attends to them."""
+        if not self.is_initialized:
+            raise ValueError("the layer holds no tokens yet")
+        wk, wv = self.residual_keys, self.residual_values
+        if key_states is not None:
+            wk = torch.cat([wk.to(key_states.dtype), key_states], dim=2)
+            wv = torch.cat([wv.to(value_states.dtype), value_states], dim=2)
+        return PackedKV(
+            self.sink_keys,
+            self.sink_values,
+            self.key_blocks,
+            self.value_blocks,
+            wk,
+            wv,
+            self.rotation,
+        )
+
+    def _fused_step(self, key_states: torch.Tensor) -> bool:
+        """Whether this ``update`` is a fused decode step (see ``fused_decode``)."""
+        option = self.fused_decode
+        if option is False or key_states.shape[2] != 1 or self.cumulative_length == 0:
+            return False
+        if key_states.is_cuda:
+            runs = triton_available()
+        else:  # CPU: only when forced, in Triton's interpreter
+            runs = option is True and key_states.device.type == "cpu" and interpreter_mode()
+            runs = runs and triton_available()
+        runs = runs and self.config is not None and fused_attention.use_fused_attention(self.config)
+        if not runs and option is True:
+            raise ValueError(
+                "fused_decode=True needs triton, CUDA tensors (or CPU tensors with "
+                "TRITON_INTERPRET=1 set before triton is imported), a layer built by "
+                "QuantizedKVCache and a model on 'sdpa' or 'kvlib_fused' attention (got "
+                f"{key_states.device.type} tensors, attention "
+                f"{getattr(self.config, '_attn_implementation', None)!r})"
+            )
+        return runs
+
     # ------------------------------------------------------------------ CacheLayerMixin API
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the past (dequantized) followed by ``key_states`` / ``value_states``
-        ``(batch, kv_heads, q, head_dim)``, then store the new states.
+        ``(batch, kv_heads, q, head_dim)``, then store the new states. A fused decode step
+        returns the new states alone, tagged for :mod:`kvlib.fused_attention`.
 
         Returns:
             keys, values: ``(batch, kv_heads, T + q, head_dim)`` in the dtype of the new states.
@@ -374,7 +444,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_states(key_states, value_states)
-        if self.cumulative_length == 0:
+        if self._fused_step(key_states):
+            last = self._last_step[0]
+            if last is not None:
+                last.check_consumed()
+            step = FusedStep(self.packed(key_states, value_states))
+            self._last_step[0] = step
+            keys, values = fused_attention.tag(key_states, step), value_states
+        elif self.cumulative_length == 0:
             keys, values = key_states, value_states
         else:
             keys, values = self._read(key_states, value_states)
@@ -407,6 +484,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Drop every stored token; the next ``update`` starts from scratch."""
         self._clear()
+        self._last_step[0] = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -503,6 +581,11 @@ class QuantizedKVCache(Cache):
         key_group_size: tokens per key scale group inside a block; must divide
             ``residual_length``. ``None``: ``gcd(32, residual_length)`` at 2-4 key bits, the
             whole block at 8.
+        fused_decode: single-token decode steps attend with the fused Triton kernel
+            (:mod:`kvlib.kernels`) instead of dequantizing: ``None`` (auto) on CUDA when triton
+            is installed and the model runs sdpa (switched to ``"kvlib_fused"``) or
+            ``"kvlib_fused"`` attention; ``True`` also on CPU tensors in Triton's interpreter
+            (tests), raising where it cannot run; ``False``: never.
 
     Raises:
         ValueError / TypeError: unsupported layer types, bits, group sizes or lengths.
@@ -521,6 +604,7 @@ class QuantizedKVCache(Cache):
         rotate: bool | None = None,
         window_dtype: torch.dtype | None = None,
         key_group_size: int | None = None,
+        fused_decode: bool | None = None,
     ) -> None:
         if not hasattr(config, "get_text_config"):
             raise TypeError(
@@ -572,9 +656,14 @@ class QuantizedKVCache(Cache):
                 rotation=self.rotation,
                 window_dtype=window_dtype,
                 key_group_size=key_group_size,
+                fused_decode=_check_fused_decode(fused_decode),
             )
             for _ in types
         ]
+        self.fused_decode = fused_decode
+        last_step: list[FusedStep | None] = [None]
+        for layer in layers:
+            layer.config, layer._last_step = text, last_step
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:

@@ -20,6 +20,11 @@ name                          cache
 ``hf-fp8``                    transformers' fp8 cache (float8_e4m3fn, one scale per tensor)
 ============================  ===============================================================
 
+Token-eviction caches (:class:`kvlib.eviction.EvictionCache`, notebook 10) are named apart, in
+:data:`EVICTION_NAMES`, because their size is a budget rather than a bit width:
+``evict-<policy>`` keeps float16 keys and values, ``evict-<policy>-int4`` quantizes the kept
+tokens to int4; :func:`eviction_factory` takes the budget (tokens per layer, or ``max_bytes``).
+
 Defaults (group sizes, the full-precision window) are read from the classes — kvlib's
 :class:`~kvlib.cache.QuantizedKVCache` and its default functions, transformers'
 ``QuantizedLayer`` signature — never copied, so a changed default changes every prediction.
@@ -36,15 +41,19 @@ from typing import Any
 import torch
 
 from kvlib import cache as kvcache
-from kvlib import compat
+from kvlib import compat, eviction
 
 __all__ = [
     "CACHE_NAMES",
+    "EVICTION_NAMES",
     "FAMILIES",
     "CacheInfo",
+    "EvictionInfo",
     "cache_factory",
     "cache_info",
     "check_names",
+    "eviction_factory",
+    "eviction_info",
     "make_cache",
     "reference_name",
 ]
@@ -316,3 +325,103 @@ def cache_factory(name: str, config: Any, **options: Any) -> Callable[[], Any]:
 def make_cache(name: str, config: Any, **options: Any) -> Any:
     """One fresh cache called ``name`` (see :func:`cache_factory`)."""
     return cache_factory(name, config, **options)()
+
+
+# ---------------------------------------------------------------------- token eviction
+
+
+@dataclass(frozen=True)
+class EvictionInfo:
+    """What an eviction cache name means.
+
+    Attributes:
+        name: the registry name (:data:`EVICTION_NAMES`).
+        policy: one of :data:`kvlib.eviction.POLICIES`.
+        bits: bits per stored code, or ``None`` for float16 storage.
+        description: one line for tables.
+    """
+
+    name: str
+    policy: str
+    bits: int | None
+    description: str
+
+    def factory(
+        self,
+        config: Any,
+        *,
+        budget: int | None = None,
+        max_bytes: int | None = None,
+        **options: Any,
+    ) -> Callable[[], Any]:
+        """A zero-argument function returning a fresh :class:`kvlib.eviction.EvictionCache`
+        of this kind for ``config``, holding ``budget`` tokens per layer (or ``max_bytes``)."""
+        storage: dict[str, Any] = {"bits": self.bits} if self.bits else {"dtype": torch.float16}
+        merged = {**storage, **options}
+        eviction.EvictionCache(config, self.policy, budget, max_bytes=max_bytes, **merged)
+        return lambda: eviction.EvictionCache(
+            config, self.policy, budget, max_bytes=max_bytes, **merged
+        )
+
+
+_EVICTION_LINES = {
+    "streaming": "StreamingLLM: attention sinks plus the most recent tokens",
+    "snapkv": "SnapKV: scored once per prefill by the prompt's last queries",
+    "h2o": "H2O: accumulated attention (heavy hitters) plus recent tokens",
+    "tova": "TOVA: the last query's attention, every step",
+    "knorm": "KNorm: lowest key norms",
+}
+
+
+def _eviction_entries() -> dict[str, EvictionInfo]:
+    out = {}
+    for policy in eviction.POLICIES:
+        line = _EVICTION_LINES.get(policy, policy)
+        out[f"evict-{policy}"] = EvictionInfo(
+            f"evict-{policy}", policy, None, f"{line}; float16 keys and values"
+        )
+        out[f"evict-{policy}-int4"] = EvictionInfo(
+            f"evict-{policy}-int4", policy, 4, f"{line}; kept tokens in int4 (per token)"
+        )
+    return out
+
+
+_EVICTION: dict[str, EvictionInfo] = _eviction_entries()
+
+#: Every eviction cache name: ``evict-<policy>`` (float16) and ``evict-<policy>-int4``.
+EVICTION_NAMES: tuple[str, ...] = tuple(_EVICTION)
+
+
+def eviction_info(name: str) -> EvictionInfo:
+    """What an eviction cache ``name`` means (one of :data:`EVICTION_NAMES`).
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"eviction cache name must be a str (got {type(name).__name__})")
+    try:
+        return _EVICTION[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction cache {name!r}; accepted: {', '.join(EVICTION_NAMES)}"
+        ) from None
+
+
+def eviction_factory(
+    name: str,
+    config: Any,
+    *,
+    budget: int | None = None,
+    max_bytes: int | None = None,
+    **options: Any,
+) -> Callable[[], Any]:
+    """A zero-argument function returning a fresh eviction cache called ``name``, holding
+    ``budget`` tokens per layer and KV head or at most ``max_bytes`` per sequence (exactly one);
+    ``options`` go to :class:`kvlib.eviction.EvictionCache` (``sinks``, ``window``, ...).
+
+    Raises:
+        ValueError / TypeError: unknown name, bad budget (checked here, not at first use).
+    """
+    return eviction_info(name).factory(config, budget=budget, max_bytes=max_bytes, **options)

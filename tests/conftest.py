@@ -3,6 +3,13 @@ kvlib has its converted copy, ~15 s the very first time on a machine)."""
 
 from __future__ import annotations
 
+import os
+
+# Triton runs kernels on CPU tensors only in its interpreter, and only when this is set before
+# triton is first imported (test collection imports transformers, which may import it through
+# torch.compile): tests/test_kernels.py needs it. It changes nothing for code that uses no Triton.
+os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 import torch
 

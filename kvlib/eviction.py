@@ -1,0 +1,589 @@
+"""Token eviction: a KV cache that keeps at most a budget of tokens per layer (notebook 10).
+
+Quantization stores every token in fewer bits; eviction keeps fewer tokens. :class:`EvictionCache`
+is a transformers ``Cache`` made of one :class:`EvictionLayer` (a ``CacheLayerMixin``) per
+decoder layer, so ``generate()`` and a chunked forward loop (``kvlib.quality.perplexity``) use
+it unchanged. Policies (:data:`POLICIES`, scoring in :mod:`kvlib.eviction_scores`):
+``streaming`` (StreamingLLM), ``snapkv``, ``h2o``, ``tova`` and ``knorm``.
+
+**What a layer holds.** Between forward passes, at most ``budget`` tokens per KV head
+(every head keeps the same number, possibly different tokens), in position order: keys and
+values in ``dtype`` (the model's by default; float16 for an fp16 deployment's bytes) or
+quantized per token to ``bits`` (kvlib's :class:`~kvlib.quant.QuantizedTensor`, packed codes
+plus float16 scales and zero points, keys Hadamard-rotated below 8 bits), their positions
+(int32), and for ``h2o`` and ``snapkv`` their running scores (float32). :meth:`EvictionCache.nbytes`
+counts all of it. The tokens of one forward pass are attended to in full in that pass (the
+prompt of a prefill included, as SnapKV and kvpress do) and evicted at its end.
+
+**RoPE.** Keys are cached after RoPE: each one already carries the rotation of its own
+position, so dropping rows leaves the kept keys correct. What must not shrink is the position
+of the *next* query: transformers computes it as ``cache.get_seq_length()``, so a layer reports
+the number of tokens **seen**, not kept; :meth:`EvictionLayer.get_mask_sizes` reports the kept
+length plus the query, with ``kv_offset = seen - kept`` so that the causal mask still lets
+every kept token be seen and keeps the new tokens causal among themselves. (Rotating keys to
+new, contiguous positions, as some StreamingLLM code does, is not needed here.) Batch rows must
+not be padded.
+
+**Scores need queries.** ``snapkv``, ``h2o`` and ``tova`` score tokens by attention weights,
+which a cache does not see. Run the model inside :func:`capture_queries` ``(model)``: a forward
+pre-hook on every attention module recomputes the layer's queries (``q_proj``, RoPE, as
+transformers' ``LlamaAttention`` does, like kvpress's hooks) and hands them to the cache layer,
+which computes the weights from them and the keys it returns. ``streaming`` and ``knorm`` need
+no queries.
+
+Limits: ``full_attention`` layers only (Llama-style attention modules for the query hook), no
+``crop`` (assisted decoding), batch rows without padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvlib import compat
+from kvlib import eviction_scores as es
+from kvlib.cache import default_group_size
+from kvlib.quant import QuantizedTensor, hadamard, quantize
+from kvlib.specs import kv_geometry
+from kvlib.validate import check_bits, check_int
+
+__all__ = [
+    "POLICIES",
+    "EvictionCache",
+    "EvictionLayer",
+    "capture_queries",
+    "token_nbytes",
+]
+
+#: Eviction policies: name -> (needs queries, keeps running scores, default sinks).
+POLICIES: dict[str, tuple[bool, bool, int]] = {
+    "streaming": (False, False, 4),
+    "snapkv": (True, True, 0),
+    "h2o": (True, True, 0),
+    "tova": (True, False, 0),
+    "knorm": (False, False, 0),
+}
+
+#: SnapKV's observation window and pooling kernel (kvpress uses 64 and 5; the paper 32).
+SNAPKV_WINDOW = 32
+SNAPKV_KERNEL = 5
+
+
+def _check_policy(policy: Any) -> str:
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a str (got {type(policy).__name__})")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; accepted: {', '.join(POLICIES)}")
+    return policy
+
+
+def default_window(policy: str, budget: int) -> int:
+    """Recent tokens always kept: SnapKV's observation window (``SNAPKV_WINDOW``, at most
+    half the budget), half the budget for H2O (its heavy/recent split), the last token for
+    TOVA, none for KNorm; StreamingLLM keeps ``budget - sinks``."""
+    if policy == "snapkv":
+        return max(1, min(SNAPKV_WINDOW, budget // 2))
+    if policy == "h2o":
+        return budget // 2
+    if policy == "tova":
+        return 1
+    return 0
+
+
+def token_nbytes(
+    head_dim: int,
+    kv_heads: int,
+    policy: str,
+    *,
+    bits: int | None = None,
+    dtype: torch.dtype = torch.float16,
+    group_size: int | None = None,
+) -> int:
+    """Bytes one kept token costs in one layer (all KV heads): keys + values (codes, float16
+    scales and zero points when quantized), its int32 position, and a float32 score for the
+    policies that keep one."""
+    if bits is None:
+        kv = 2 * head_dim * torch.finfo(dtype).bits // 8
+    else:
+        g = default_group_size(head_dim) if group_size is None else group_size
+        kv = 2 * (math.ceil(head_dim * bits / 8) + 2 * 2 * (head_dim // g))
+    state = 4 + (4 if POLICIES[_check_policy(policy)][1] else 0)
+    return kv_heads * (kv + state)
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """The dtype the model computes in, from its config (float32 when it says nothing)."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def _gather_rows(q: QuantizedTensor, index: torch.Tensor) -> QuantizedTensor:
+    """Rows ``index`` ``(batch, kv_heads, k)`` of a per-token QuantizedTensor laid out with
+    rows ``(batch, kv_heads, n)``: codes and metadata move together, nothing re-quantized."""
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        idx = index.view(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
+        return t.gather(2, idx.to(t.device))
+
+    shape = (*q.shape[:2], index.shape[2], *q.shape[3:])
+    return dataclasses.replace(
+        q,
+        packed=pick(q.packed).contiguous(),
+        scale=pick(q.scale),
+        offset=pick(q.offset),
+        shape=torch.Size(shape),
+    )
+
+
+class EvictionLayer(CacheLayerMixin):
+    """One decoder layer of :class:`EvictionCache` (see the module docstring).
+
+    State after ``seen`` tokens, ``n = min(seen, budget)``: ``keys``/``values``
+    ``(batch, kv_heads, n, head_dim)`` in ``dtype`` (or ``qkeys``/``qvalues``, per-token
+    QuantizedTensors with rows ``(batch, kv_heads, n)``), ``positions`` ``(batch, kv_heads, n)``
+    int32 (increasing along ``n``), ``scores`` ``(batch, kv_heads, n)`` float32 for ``h2o`` and
+    ``snapkv``.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        policy: str,
+        budget: int,
+        *,
+        sinks: int | None = None,
+        window: int | None = None,
+        bits: int | None = None,
+        dtype: torch.dtype | None = None,
+        group_size: int | None = None,
+        rotation: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.policy = _check_policy(policy)
+        self.needs_queries, self.keeps_scores, default_sinks = POLICIES[policy]
+        self.budget = check_int(budget, "budget", minimum=1)
+        self.sinks = default_sinks if sinks is None else check_int(sinks, "sinks", minimum=0)
+        if self.sinks >= self.budget:
+            raise ValueError(
+                f"budget must exceed sinks (got budget {self.budget}, sinks {self.sinks})"
+            )
+        room = self.budget - self.sinks
+        if policy == "streaming":
+            self.window = room
+        elif window is None:
+            self.window = min(default_window(policy, self.budget), room)
+        else:
+            self.window = check_int(window, "window", minimum=0)
+            if self.window > room:
+                raise ValueError(f"window must be <= budget - sinks = {room} (got {self.window})")
+        self.bits = None if bits is None else check_bits(bits)
+        self.dtype_option, self.group_size, self.rotation = dtype, group_size, rotation
+        self.pending: tuple[torch.Tensor, float] | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self.keys = self.values = None
+        self.qkeys: QuantizedTensor | None = None
+        self.qvalues: QuantizedTensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        self.seen = 0
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ValueError(
+                "key_states and value_states must be (batch, kv_heads, seq_len, head_dim) of "
+                f"one shape (got {tuple(key_states.shape)} and {tuple(value_states.shape)})"
+            )
+        b, h, _, d = key_states.shape
+        self.device, self.model_dtype = key_states.device, key_states.dtype
+        self.dtype = self.dtype_option or key_states.dtype
+        if self.bits is not None:
+            self.group_size = self.group_size or default_group_size(d)
+            if d % self.group_size:
+                raise ValueError(f"group_size must divide head_dim {d} (got {self.group_size})")
+        self.batch_size, self.num_heads, self.head_dim = b, h, d
+        self.positions = torch.zeros((b, h, 0), dtype=torch.int32, device=self.device)
+        self.is_initialized = True
+
+    # ------------------------------------------------------------------ storage
+
+    def kept(self) -> int:
+        """Tokens kept per KV head."""
+        return 0 if self.positions is None else self.positions.shape[2]
+
+    def _quantize(self, x: torch.Tensor, rotate: bool) -> QuantizedTensor:
+        if rotate and self.rotation is not None:
+            x = x.float() @ self.rotation.to(x.device)
+        q = quantize(x.contiguous(), self.bits, axis=3, group_size=self.group_size)
+        return q.with_rows(3)
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the kept tokens as attention reads them, ``(batch, kv_heads, n,
+        head_dim)`` in the model's dtype (dequantized when ``bits`` is set)."""
+        if not self.is_initialized or self.kept() == 0:
+            empty = torch.zeros(0)
+            if self.is_initialized:
+                b, h, d = self.batch_size, self.num_heads, self.head_dim
+                empty = torch.zeros((b, h, 0, d), dtype=self.model_dtype, device=self.device)
+            return empty, empty
+        if self.bits is None:
+            return self.keys.to(self.model_dtype), self.values.to(self.model_dtype)
+        k = self.qkeys.dequantize(torch.float32)
+        if self.rotation is not None:
+            k = k @ self.rotation.T.to(k.device)
+        return k.to(self.model_dtype), self.qvalues.dequantize(self.model_dtype)
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append the new tokens to the stored ones (quantizing only the new)."""
+        if self.bits is None:
+            k, v = key_states.to(self.dtype), value_states.to(self.dtype)
+            self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+            self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        else:
+            qk, qv = self._quantize(key_states, True), self._quantize(value_states, False)
+            self.qkeys = qk if self.qkeys is None else self.qkeys.cat(qk, dim=2)
+            self.qvalues = qv if self.qvalues is None else self.qvalues.cat(qv, dim=2)
+
+    def _keep(self, index: torch.Tensor) -> None:
+        """Keep tokens ``index`` ``(batch, kv_heads, k)`` of every stored tensor."""
+        full = index.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
+        if self.bits is None:
+            self.keys = self.keys.gather(2, full).contiguous()
+            self.values = self.values.gather(2, full).contiguous()
+        else:
+            self.qkeys, self.qvalues = (
+                _gather_rows(self.qkeys, index),
+                _gather_rows(self.qvalues, index),
+            )
+        self.positions = self.positions.gather(2, index).contiguous()
+        if self.scores is not None:
+            self.scores = self.scores.gather(2, index).contiguous()
+
+    # ------------------------------------------------------------------ scoring
+
+    def set_queries(self, queries: torch.Tensor, scaling: float) -> None:
+        """The queries ``(batch, heads, q_len, head_dim)`` (after RoPE) of the forward pass
+        about to call :meth:`update`, and the softmax scale (set by :func:`capture_queries`)."""
+        self.pending = (queries, float(scaling))
+
+    def _score(self, keys: torch.Tensor, q_len: int) -> torch.Tensor | None:
+        """Scores of every token held after this pass (old + new), or None when the policy
+        keeps the previous ones (SnapKV while decoding)."""
+        pos = self.positions
+        if self.policy == "streaming":
+            return es.streaming_scores(pos)
+        if self.policy == "knorm":
+            return es.knorm_scores(keys)
+        if self.pending is None:
+            raise RuntimeError(
+                f"policy {self.policy!r} scores tokens by attention, which needs the model's "
+                "queries: run the model inside `with kvlib.eviction.capture_queries(model):`"
+            )
+        queries, scaling = self.pending
+        self.pending = None
+        if queries.shape[2] != q_len:
+            raise RuntimeError("the captured queries do not match this update's tokens")
+        n = keys.shape[2]
+        if self.policy == "snapkv" and q_len == 1:
+            return None  # decoding: the new token joins the protected window
+        qpos = torch.arange(self.seen - q_len, self.seen, device=keys.device)
+        if self.policy == "snapkv":  # only the observation window's queries are needed
+            w = min(self.window, q_len, n - 1)
+            weights = es.attention_weights(queries[:, :, -w:], keys, pos, qpos[-w:], scaling)
+            return es.snapkv_scores(weights, w, SNAPKV_KERNEL)
+        if self.policy == "tova":
+            weights = es.attention_weights(queries[:, :, -1:], keys, pos, qpos[-1:], scaling)
+            return es.tova_scores(weights)
+        # h2o: every query's weights, accumulated; in slices of queries to bound memory
+        total = torch.zeros(pos.shape, dtype=torch.float32, device=keys.device)
+        for s in range(0, q_len, 256):
+            weights = es.attention_weights(
+                queries[:, :, s : s + 256], keys, pos, qpos[s : s + 256], scaling
+            )
+            total += es.h2o_scores(weights)
+        old = self.scores.shape[2] if self.scores is not None else 0
+        if old:
+            total[:, :, :old] += self.scores
+        return total
+
+    # ------------------------------------------------------------------ CacheLayerMixin API
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the kept past followed by ``key_states``/``value_states``
+        ``(batch, kv_heads, q, head_dim)``, then store the new tokens and evict down to
+        ``budget``.
+
+        Returns:
+            keys, values: ``(batch, kv_heads, n + q, head_dim)``, what this pass attends to.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, q_len, d = key_states.shape
+        if (b, h, d) != (self.batch_size, self.num_heads, self.head_dim):
+            raise ValueError(
+                f"key_states must be (batch={self.batch_size}, kv_heads={self.num_heads}, "
+                f"seq_len, head_dim={self.head_dim}) (got {tuple(key_states.shape)})"
+            )
+        past_k, past_v = self.stored()
+        keys = torch.cat([past_k, key_states], dim=2) if self.kept() else key_states
+        values = torch.cat([past_v, value_states], dim=2) if self.kept() else value_states
+        new_pos = torch.arange(self.seen, self.seen + q_len, device=self.device, dtype=torch.int32)
+        self.positions = torch.cat([self.positions, new_pos.expand(b, h, q_len)], dim=2)
+        self.seen += q_len
+        self._store(key_states, value_states)
+        scores = self._score(keys, q_len)
+        if self.keeps_scores:
+            if scores is None:  # SnapKV decoding: new tokens join the protected window
+                top = math.inf
+                fill = torch.full((b, h, q_len), top, dtype=torch.float32, device=self.device)
+                old = self.scores if self.scores is not None else fill[:, :, :0]
+                scores = torch.cat([old, fill], dim=2)
+            self.scores = scores.float()
+        if self.kept() > self.budget:
+            index = es.keep_indices(scores, self.positions, self.budget, self.sinks, self.window)
+            self._keep(index)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        """Tokens SEEN (not kept): the next token's position, which is what transformers
+        computes its positions (RoPE) from."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: the kept tokens plus the query; the offset places the
+        kept tokens before the query's positions, so that all of them are visible."""
+        kept = self.kept()
+        return kept + query_length, self.seen - kept
+
+    def get_max_length(self) -> int:
+        """No maximum length of the sequence (-1): the budget bounds the tokens kept."""
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "EvictionCache cannot crop (assisted decoding needs a DynamicCache)"
+        )
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        rows = torch.as_tensor(rows, device=self.device).long()
+        for name in ("keys", "values", "positions", "scores"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows))
+        if self.qkeys is not None:
+            self.qkeys = self.qkeys.index_select(0, rows)
+            self.qvalues = self.qvalues.index_select(0, rows)
+        self.batch_size = self.positions.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def offload(self) -> None:  # the kept tokens are small; they stay where they are
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ bytes
+
+    def nbytes(self) -> int:
+        """Exact bytes held: keys and values (codes, scales, zero points), positions, scores."""
+        if not self.is_initialized:
+            return 0
+        tensors = [self.keys, self.values, self.positions, self.scores]
+        total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        if self.qkeys is not None:
+            total += self.qkeys.nbytes + self.qvalues.nbytes
+        return total
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 DynamicCache layer would hold for every token seen."""
+        if not self.is_initialized:
+            return 0
+        return 2 * self.batch_size * self.num_heads * self.seen * self.head_dim * 2
+
+
+class EvictionCache(Cache):
+    """A transformers cache that keeps at most ``budget`` tokens per layer and KV head.
+
+    Args:
+        config: the model's transformers config; every layer must be ``full_attention``.
+        policy: one of :data:`POLICIES`.
+        budget: tokens kept per layer and KV head (``>= 1``, ``> sinks``); or give
+        max_bytes: the most bytes the whole cache may hold per sequence; the budget is the
+            largest that fits (:func:`token_nbytes` per token and layer).
+        sinks: first tokens always kept (default 4 for ``streaming``, else 0).
+        window: most recent tokens always kept (default :func:`default_window`).
+        bits: store keys and values quantized per token to 2, 3, 4 or 8 bits (``None``: in
+            ``dtype``); keys are Hadamard-rotated below 8 bits when head_dim is a power of two.
+        dtype: storage dtype when not quantized (``None``: the model's).
+        group_size: channels per scale when quantized (default: the largest divisor of
+            head_dim up to 64).
+
+    Raises:
+        TypeError / ValueError: unknown policy, a budget that is not an int >= 1 (or does not
+            exceed ``sinks``), both or neither of ``budget`` and ``max_bytes``, a byte budget
+            too small for one token per layer, non-full-attention layers.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        policy: str,
+        budget: int | None = None,
+        *,
+        max_bytes: int | None = None,
+        sinks: int | None = None,
+        window: int | None = None,
+        bits: int | None = None,
+        dtype: torch.dtype | None = None,
+        group_size: int | None = None,
+    ) -> None:
+        if not hasattr(config, "get_text_config"):
+            raise TypeError(
+                f"config must be a transformers PretrainedConfig (got {type(config).__name__})"
+            )
+        self.policy = _check_policy(policy)
+        if bits is not None:
+            check_bits(bits)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype or None (got {dtype!r})")
+        types = compat.layer_types(config)
+        bad = sorted({t for t in types if t != "full_attention"})
+        if bad:
+            raise ValueError(f"EvictionCache supports only full_attention layers (got {bad})")
+        geo = kv_geometry(config.get_text_config(decoder=True))
+        if (budget is None) == (max_bytes is None):
+            raise ValueError("give exactly one of budget (tokens per layer) and max_bytes")
+        if max_bytes is not None:
+            max_bytes = check_int(max_bytes, "max_bytes", minimum=1)
+            per = len(types) * token_nbytes(
+                geo.head_dim,
+                geo.num_kv_heads,
+                policy,
+                bits=bits,
+                dtype=dtype or _config_dtype(config),
+                group_size=group_size,
+            )
+            budget = max_bytes // per
+            if budget < 1:
+                raise ValueError(
+                    f"max_bytes {max_bytes} holds no token in every layer; accepted: >= {per} "
+                    f"({len(types)} layers x {per // len(types)} bytes per token)"
+                )
+        self.budget, self.bits, self.max_bytes = budget, bits, max_bytes
+        rotate = bits is not None and bits < 8 and not geo.head_dim & (geo.head_dim - 1)
+        self.rotation = hadamard(geo.head_dim) if rotate else None
+        layers = [
+            EvictionLayer(
+                policy,
+                budget,
+                sinks=sinks,
+                window=window,
+                bits=bits,
+                dtype=dtype,
+                group_size=group_size,
+                rotation=self.rotation,
+            )
+            for _ in types
+        ]
+        super().__init__(layers=layers)
+
+    def __repr__(self) -> str:
+        store = f"int{self.bits}" if self.bits else "float"
+        return (
+            f"EvictionCache(policy={self.policy!r}, budget={self.budget}, storage={store}, "
+            f"layers={len(self.layers)}, seen={self.get_seq_length()}, kept={self.kept()})"
+        )
+
+    def kept(self) -> int:
+        """Tokens kept per KV head in layer 0."""
+        return self.layers[0].kept()
+
+    def nbytes(self) -> int:
+        """Exact bytes held by all layers (the shared Hadamard matrix, a constant, excluded)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 DynamicCache would hold for every token seen."""
+        return sum(layer.fp16_nbytes() for layer in self.layers)
+
+    def compression_ratio(self) -> float:
+        """``fp16_nbytes() / nbytes()`` (``nan`` while empty)."""
+        n = self.nbytes()
+        return self.fp16_nbytes() / n if n else math.nan
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    mods = [
+        m
+        for m in model.modules()
+        if hasattr(m, "q_proj") and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
+    ]
+    if not mods:
+        raise TypeError(
+            f"{type(model).__name__} has no Llama-style attention modules (q_proj, layer_idx)"
+        )
+    return mods
+
+
+def _query_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, EvictionCache) or not POLICIES[cache.policy][0]:
+        return
+    h = kwargs.get("hidden_states", args[0] if args else None)
+    cos, sin = kwargs["position_embeddings"]
+    q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim)
+    if hasattr(module, "q_norm"):  # Qwen3-style query norm, before RoPE
+        q = module.q_norm(q)
+    q = q.transpose(1, 2)
+    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    q, _ = rope(q, q, cos, sin)
+    scaling = getattr(module, "scaling", module.head_dim**-0.5)
+    cache.layers[module.layer_idx].set_queries(q, scaling)
+
+
+@contextlib.contextmanager
+def capture_queries(model: torch.nn.Module) -> Iterator[None]:
+    """Within this block, every attention module of ``model`` hands its queries to an
+    :class:`EvictionCache` it is called with (other caches are left alone). Nested use is
+    harmless; the hooks are removed on exit."""
+    handles = [
+        m.register_forward_pre_hook(_query_hook, with_kwargs=True)
+        for m in _attention_modules(model)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

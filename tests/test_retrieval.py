@@ -1,0 +1,143 @@
+"""kvlib.retrieval: the pass-key prompts, the Wilson interval, argument checks; one short run
+of the bundled model (slow)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from kvlib import retrieval
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one token per character, a plain chat template."""
+
+    def __call__(self, text, return_tensors=None):
+        import torch
+
+        ids = [ord(c) % 256 for c in text]
+
+        class Out:
+            input_ids = torch.tensor([ids]) if return_tensors == "pt" else ids
+
+        return Out()
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(int(i)) for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<a>"
+
+
+CORPUS = "\n".join(f"Line {i} of the filler text, about the data model." for i in range(3000))
+
+
+def test_wilson_interval_known_values():
+    low, high = retrieval.wilson_interval(0, 10)
+    assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
+    low, high = retrieval.wilson_interval(10, 10)
+    assert high == 1.0 and low == pytest.approx(0.7225, abs=1e-4)
+    low, high = retrieval.wilson_interval(5, 10)
+    assert low == pytest.approx(0.2366, abs=1e-4) and high == pytest.approx(0.7634, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((11, 10), ValueError, "successes must be <= trials"),
+        ((0, 0), ValueError, "trials must be an int >= 1"),
+        ((1.0, 3), TypeError, "successes must be an int"),
+    ],
+)
+def test_wilson_interval_refuses_bad_counts(args, error, match):
+    with pytest.raises(error, match=match):
+        retrieval.wilson_interval(*args)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
+def test_single_key_prompt_states_needle_and_question(depth):
+    tok = CharTokenizer()
+    trial = retrieval.make_trial(tok, 2000, depth, rng=random.Random(3), corpus=CORPUS)
+    text = tok.decode(trial.input_ids[0])
+    assert re.fullmatch(r"[1-9]\d{4}", trial.answer)
+    needle = text.index(f"The secret number is {trial.answer}.")
+    body_start, body_end = text.index("Line "), text.rindex("What is the secret number?")
+    assert body_start - 200 < needle if depth == 0 else True
+    relative = (needle - body_start) / (body_end - body_start)
+    assert abs(relative - depth) < 0.1
+    assert text.startswith("<user>A secret number is hidden") and text.endswith(
+        "The secret number is"
+    )
+    assert abs(trial.input_ids.shape[1] - 2000) < 100
+
+
+def test_multi_key_prompt_hides_several_and_asks_one():
+    tok = CharTokenizer()
+    trial = retrieval.make_trial(
+        tok, 3000, 0.5, n_keys=4, key_digits=6, rng=random.Random(1), corpus=CORPUS
+    )
+    text = tok.decode(trial.input_ids[0])
+    found = dict(re.findall(r"The secret number of the (\w+) door is (\d+)\. Remember it\.", text))
+    assert len(found) == 4 and len(set(found.values())) == 4
+    asked = re.search(r"What is the secret number of the (\w+) door\?", text).group(1)
+    assert found[asked] == trial.answer and len(trial.answer) == 6
+
+
+def test_same_seed_same_trials():
+    tok = CharTokenizer()
+    a = retrieval.make_trial(tok, 1000, 0.3, rng=random.Random(7), corpus=CORPUS)
+    b = retrieval.make_trial(tok, 1000, 0.3, rng=random.Random(7), corpus=CORPUS)
+    assert a.answer == b.answer and a.input_ids.equal(b.input_ids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"context_tokens": 64}, ValueError, "context_tokens must be an int >= 128"),
+        ({"depth": 1.5}, ValueError, r"depth must be in \[0, 1\]"),
+        ({"key_digits": 0}, ValueError, "key_digits must be an int >= 1"),
+        ({"key_digits": 21}, ValueError, "key_digits must be in 1..20"),
+        ({"n_keys": 9}, ValueError, "n_keys must be in 1..8"),
+        ({"depth": "middle"}, TypeError, "depth must be a number"),
+    ],
+)
+def test_make_trial_refuses_bad_arguments(kwargs, error, match):
+    args = {"context_tokens": 1000, "depth": 0.5, **kwargs}
+    with pytest.raises(error, match=match):
+        retrieval.make_trial(
+            CharTokenizer(), args.pop("context_tokens"), args.pop("depth"), **args, corpus=CORPUS
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"context_tokens": 1024}, TypeError, "context_tokens must be a non-empty list"),
+        ({"depths": []}, TypeError, "depths must be a non-empty list"),
+        ({"trials": 0}, ValueError, "trials must be an int >= 1"),
+        ({"cache_factory": 3}, TypeError, "cache_factory must be callable"),
+    ],
+)
+def test_evaluate_refuses_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        retrieval.evaluate_retrieval(object(), CharTokenizer(), **kwargs)
+
+
+def test_result_summary_and_breakdown():
+    r = retrieval.RetrievalResult()
+    for depth, ok in [(0.1, True), (0.1, False), (0.9, True)]:
+        r.records.append({"depth": depth, "correct": ok, "prompt_tokens": 100})
+    assert r.by("depth") == {0.1: (1, 2), 0.9: (1, 1)}
+    s = r.summary()
+    assert s["correct"] == 2 and s["trials"] == 3 and s["ci_low"] < 2 / 3 < s["ci_high"]
+
+
+def test_the_bundled_model_retrieves_a_short_key(model, tokenizer):
+    r = retrieval.evaluate_retrieval(
+        model, tokenizer, context_tokens=(256,), depths=(0.2, 0.8), trials=2, seed=1
+    )
+    assert r.trials == 4 and r.correct >= 3, r.records
