@@ -129,6 +129,7 @@ def _spread_labels(ax: Any, texts: list[Any], xs: list[float], ys: list[float]) 
     )  # fmt: skip
     ax.set_xlim(*limits[0])  # labels move; the data's view does not
     ax.set_ylim(*limits[1])
+    ax.set_autoscale_on(True)  # a scale set later (ax.set_yscale("log")) rescales to the data
 
 
 def _pair(xy: Sequence[Any]) -> tuple[float, float]:
