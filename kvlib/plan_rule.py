@@ -419,7 +419,7 @@ def types_by_level(
 
     Where a level has several candidates (:func:`kvlib.engines.candidates`: llama.cpp's measured
     types at int4), the first, best-measured one that fits ``concurrency`` sequences; if none
-    does, the one that fits the most (the better measured on a tie).
+    does, the one that fits the most, the smallest on a tie, the better measured among equals.
     """
     kv_budget = budget.kv_budget_bytes
     out: dict[str, tuple[EngineKV, int]] = {}
@@ -429,9 +429,10 @@ def types_by_level(
             (t, sequences_that_fit(spec, kv_budget, context_len, t.storage, tp))
             for t in pool or [default]
         ]
-        out[level] = next(
-            ((t, n) for t, n in fits if n >= concurrency), max(fits, key=lambda tn: tn[1])
-        )
+        # none holds them all: the type that fits the most, the smallest on a tie (so that a
+        # shorter context fits too), the better measured among equals
+        most = max(fits, key=lambda tn: (tn[1], -tn[0].effective_bits))
+        out[level] = next(((t, n) for t, n in fits if n >= concurrency), most)
     return out
 
 
@@ -574,8 +575,10 @@ def decide(
 
     ``gpu_memory_gb`` is GiB per device; ``num_gpus`` is the tensor-parallel size; ``model`` is
     the name to show (default: the spec's); ``results`` holds the measurements that choose
-    among an engine's types at one level (:func:`types_by_level`; ``None``: the default file).
+    among an engine's types at one level (:func:`types_by_level`; ``None``: none, so each level
+    has its one default type — :func:`kvlib.plan.recommend` passes the results it cites).
     """
+    results = {} if results is None else results
     tp = num_gpus
     budget = memory_budget(spec, device, gpu_memory_gb, weight_bits, tp)
     options = {

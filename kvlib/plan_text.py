@@ -225,8 +225,8 @@ def _llama_cpp_note(t: EngineKV, measured: Mapping[str, float], results: Mapping
         and t.name != base
         and t.effective_bits < engines.kv_type("llama.cpp", "q8_0").effective_bits
     ):
-        line += f"; {base} for both, the smallest, measured {_fmt_pct(measured[base])}"
-    return line + f" {kvresults.provenance(run)}"
+        line += f"; {base}, the level's smallest type, {_fmt_pct(measured[base])}"
+    return line + f" ({kvresults.provenance(run)})"
 
 
 def _segments(cost: Mapping[str, Any]) -> list[float]:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kvlib import engines
 from kvlib.cli import gpu_memory_gib, main, parse_memory, parse_size
 
 
@@ -62,7 +63,9 @@ def test_plan_text_and_json(capsys):
     assert main([*argv, "--concurrency", "16"]) == 0
     out = capsys.readouterr().out
     assert "vllm serve meta-llama/Llama-3.1-8B --kv-cache-dtype fp8" in out
-    assert "llama-server -m Llama-3.1-8B.gguf" in out and "--cache-type-k q4_0" in out
+    # llama.cpp's 4.5-bit type that measured best (kvlib/results.json, run "llama.cpp")
+    best = min(("q4_0", "iq4_nl"), key=lambda t: engines.measured_llama_cpp().get(t, 99.0))
+    assert "llama-server -m Llama-3.1-8B.gguf" in out and f"--cache-type-k {best}" in out
     assert "on 1 × 24 GiB GPU" in out and not re.search(r"\bGB\b", out)  # one unit: GiB
     # transformers: kvlib's int4 cache (groups of 32, fp16 scale + zero point), as many as fit
     assert main([*argv, "--concurrency", "16", "--json"]) == 0
@@ -74,7 +77,12 @@ def test_plan_text_and_json(capsys):
     ) in out
     assert main([*argv, "--concurrency", "4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert (d["kv"], d["kv_type"], d["engine"]) == ("int4", "q4_0", "llama.cpp")
+    assert (d["kv"], d["engine"]) == ("int4", "llama.cpp")
+    # the best-measured of llama.cpp's int4-level types that holds the request
+    assert d["kv_type"] == next(
+        t.name for t in engines.candidates("llama.cpp", "int4") if t.name == d["kv_type"]
+    )
+    assert d["llama_cpp"]["--cache-type-k"] == d["kv_type"].split("/")[0]
     assert d["llama_cpp"]["-np"] == 4 and d["llama_cpp"]["-c"] == 4 * 32768
     assert d["vllm"]["max_model_len"] == 32768 and d["vllm"]["kv_cache_dtype"] == "fp8"
     assert d["transformers"]["cache"] == "kvlib-int4"

@@ -21,7 +21,7 @@ def ggml(name: str) -> int:
     return getattr(llama_cpp, f"GGML_TYPE_{name.upper()}")
 
 
-@pytest.mark.parametrize(("memory_gib", "concurrency"), [(16, 1), (0.3, 4)])
+@pytest.mark.parametrize(("memory_gib", "concurrency"), [(16, 1), (1.15, 4)])
 def test_the_plans_llama_cpp_flags_load_the_bundled_model_and_generate(memory_gib, concurrency):
     plan = recommend("smollm2-135m", memory_gib, 2048, concurrency, device="cpu", results=None)
     flags = plan.to_llama_cpp()

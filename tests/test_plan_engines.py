@@ -130,7 +130,7 @@ def test_transformers_runs_kvlib_caches_and_fp16_for_sliding_windows():
 
 
 def test_vllm_has_fp16_and_fp8_only():
-    d = decide(LLAMA8, 24, 32768, 16)
+    d = decide(LLAMA8, 24, 32768, 16, results={})  # without llama.cpp's measurements: q4_0
     v = plan_engines.vllm_args(d)
     at_fp8 = sequences_that_fit(LLAMA8, d.budget.kv_budget_bytes, 32768, (8, None, 0))
     vllm = d.options["vllm"]
@@ -145,6 +145,11 @@ def test_vllm_has_fp16_and_fp8_only():
     assert "vllm cannot hold the whole request (fp8 fits 2 of 16)" in " ".join(
         plan.recommend("llama-3.1-8b", 24, 32768, 16, results={}).reasons
     )
+    # with them, the best-measured of the types that fit as many sequences as q4_0 does
+    measured = decide(LLAMA8, 24, 32768, 16)
+    m = measured.options["llama.cpp"]
+    assert m.sequences == d.options["llama.cpp"].sequences
+    assert engines.measured_llama_cpp()[m.kv_type] <= engines.measured_llama_cpp()["q4_0"]
     fp16 = plan_engines.vllm_args(decide(LLAMA8, 80, 8192, 8))
     assert fp16["kv_cache_dtype"] == "auto" and fp16["max_num_seqs"] == 8
     w8 = plan_engines.vllm_args(decide(LLAMA8, 80, 8192, 8, weight_bits=8, num_gpus=2))
