@@ -83,7 +83,7 @@ bench: setup
 	@for b in $(filter-out $(PEER_BENCHES),$(wildcard benchmarks/bench_*.py)); do echo "== $$b"; $(VPY) $$b || exit 1; done
 
 ## peers: build llama-cpp-python (llama.cpp) into the environment, for benchmarks/bench_engines.py.
-## Not part of setup or test: it compiles llama.cpp from source, about 10 minutes on 2 cores.
+## Not part of setup or test: it compiles llama.cpp from source (3-4 minutes on an idle 2-core machine).
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 # On x86-64 a portable AVX2 build: a native build on a CPU with AMX crashed here on every
 # multi-token batch, and an AVX2 build runs on the Intel and the AMD machines alike.
