@@ -43,6 +43,7 @@ level is ``q4_0`` alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -232,7 +233,8 @@ def candidates(engine: str, level: str, results: Mapping[str, Any] | None = None
 
     One type (:func:`planned`) everywhere but llama.cpp's int4 level: with llama.cpp's
     measurements in ``results``, every measured type that stores less than q8_0 and no less than
-    q4_0, best measured quality first (smaller first on a tie); without them, q4_0 alone. A level
+    q4_0, best measured quality first (smaller first on a tie), and q4_0 last if it was not
+    measured; without them, q4_0 alone. A level
     the engine does not run gives ``[]``.
     """
     base = planned(engine).get(level)
@@ -248,6 +250,6 @@ def candidates(engine: str, level: str, results: Mapping[str, Any] | None = None
         if t.engine == "llama.cpp" and t.name in measured
         and base.effective_bits <= t.effective_bits < top
     ]  # fmt: skip
-    if not pool:
-        return [base]
-    return sorted(pool, key=lambda t: (measured[t.name], t.effective_bits))
+    if base not in pool:  # the level's smallest type stays offered, measured or not
+        pool.append(base)
+    return sorted(pool, key=lambda t: (measured.get(t.name, math.inf), t.effective_bits))

@@ -5,8 +5,8 @@ Introduced in notebook 04. transformers' quantized cache layers (``QuantoQuantiz
 and ``_dequantize(q)``, and the quantized history in the private attribute
 ``_quantized_keys``. There is no public way to ask which elements share a scale, or how often
 the history is quantized, so this module calls those private names, here and nowhere else.
-They are stable across transformers 5.0–5.25 (the versions this project supports); if a
-release renames them, :func:`check_private_api` names what is missing instead of failing
+They were checked on transformers 5.24 and 5.25 (tests/test_hf_probe.py runs them on the installed
+one); if a release renames them, :func:`check_private_api` names what is missing instead of failing
 deep inside a probe.
 """
 

@@ -68,20 +68,28 @@ def test_the_plan_takes_the_best_measured_type_that_holds_the_request():
 
 
 @pytest.mark.parametrize("gib", [12, 16, 20, 24, 32])
-def test_a_tighter_budget_never_picks_a_type_that_does_not_fit(gib):
+def test_every_better_measured_type_holds_fewer_sequences(gib):
+    """The plan's llama.cpp int4 type is the first candidate that holds the request."""
+    from kvlib import plan_rule
+
     p = recommend("llama-3.1-8b", gib, 32768, 4, results=MEASURED)
-    if p.engine == "llama.cpp" and p.kv == "int4":
-        best_fitting = next(
-            (
-                t.name
-                for t in engines.candidates("llama.cpp", "int4", MEASURED)
-                if p.sequences_by_setting["int4"] >= 4
-            ),
-            None,
-        )
-        assert p.max_concurrency == p.sequences_by_setting["int4"]
-        if p.fits:
-            assert best_fitting is not None
+    option = p.options["llama.cpp"]
+    if option.kv != "int4":
+        return
+    spec, budget = get_spec("llama-3.1-8b"), p.budget.kv_budget_bytes
+    for t in engines.candidates("llama.cpp", "int4", MEASURED):
+        n = plan_rule.sequences_that_fit(spec, budget, 32768, t.storage, 1)
+        if t.name == option.kv_type:
+            assert n == option.sequences or (n > 4 and option.sequences == 4)
+            break
+        assert n < 4 or option.status != "ok"
+    else:
+        pytest.fail(f"{option.kv_type} is not a candidate")
+
+
+def test_an_unmeasured_q4_0_is_still_offered():
+    names = [t.name for t in engines.candidates("llama.cpp", "int4", llama_run({"q5_1": 1.0}))]
+    assert names == ["q5_1", "q4_0"]
 
 
 def test_mla_models_get_no_pairs():
