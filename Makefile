@@ -21,7 +21,7 @@ PORTABLE_PATHS ?= "$(NBVAL_PATH_2)" "OMP_NUM_THREADS=2 MKL_CBWR=COMPATIBLE" \
 CELL_TIMEOUT := 150
 NBVAL_OPTS := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) -p no:cacheprovider
 
-.PHONY: setup run test unit nbval nbval-portable lint format notebooks student bench peers bench-peers lab clean
+.PHONY: setup run test unit nbval nbval-portable lint format notebooks student bench peers bench-peers kvpress-peer lab clean
 
 setup: $(STAMP)
 
@@ -88,14 +88,26 @@ LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 # On x86-64 a portable AVX2 build: a native build on a CPU with AMX crashed here on every
 # multi-token batch, and an AVX2 build runs on the Intel and the AMD machines alike.
 LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
-PEER_BENCHES := benchmarks/bench_engines.py
+PEER_BENCHES := benchmarks/bench_engines.py benchmarks/bench_kvpress.py
 peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(VPY) -m pip install -q --disable-pip-version-check --no-cache-dir "$(LLAMA_CPP_SPEC)"
 	$(VPY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'built')"
 
-## bench-peers: the benchmarks that need `make peers` (llama.cpp's KV-cache types)
-bench-peers: peers
+## kvpress-peer: NVIDIA's kvpress in its own environment (.venv-kvpress): kvpress 0.5.5 pins
+## transformers<5.3, which this project's environment cannot have. For benchmarks/bench_kvpress.py.
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS_SPEC ?= kvpress==0.5.5
+kvpress-peer: $(KVPRESS_VENV)/.installed
+$(KVPRESS_VENV)/.installed:
+	@test -x $(KVPRESS_VENV)/bin/python || $(PY) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" "$(KVPRESS_SPEC)"
+	$(KVPRESS_VENV)/bin/python -c "import kvpress, transformers; print('kvpress peer on transformers', transformers.__version__)"
+	@touch $@
+
+## bench-peers: the benchmarks that need a peer (llama.cpp's KV-cache types; kvpress)
+bench-peers: peers kvpress-peer
 	$(VPY) benchmarks/bench_engines.py
+	$(VPY) benchmarks/bench_kvpress.py
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/

@@ -1,4 +1,4 @@
-"""Every way to shrink the cache at equal bytes: quantization vs token eviction vs both.
+"""Every way to shrink the cache at equal bytes: quantization, transform coding, eviction, both.
 
 For budgets of 1/2, 1/4, 1/8 and 1/16 of the fp16 cache's bytes, one run measures
 
@@ -6,28 +6,36 @@ For budgets of 1/2, 1/4, 1/8 and 1/16 of the fp16 cache's bytes, one run measure
   a row counts at a budget when its bytes fit);
 * eviction: every policy of :mod:`kvlib.eviction` (``evict-<policy>``: float16 keys and values)
   given exactly the budget's bytes (``max_bytes``);
-* eviction on int4: ``evict-<policy>-int4`` at the same bytes (about 3.5x the tokens);
+* eviction on int4: ``evict-<policy>-int4`` at the same bytes (about 3.5x the tokens; the newest
+  ``INT_RESIDUAL`` in float16);
+* PCA transform coding (``kvtc@1/<k>``, :mod:`kvlib.kvtc`, notebook 05) where it applies:
+  storage between turns. The prompt's cache is encoded, stored and decoded, and the answer is
+  decoded from it, so it has retrieval rows and no perplexity (it is not a live cache that
+  attention reads while decoding); its bytes are the stored bytes.
 
 on two qualities: perplexity on ``kvlib.data``'s text fed in chunks of 64 tokens (as in
 ``bench_cache.py``: every chunk reads the cache), and pass-key retrieval accuracy
-(:mod:`kvlib.retrieval`, Wilson 95 % interval) at ~1k and ~2k tokens, budgets taken from the
-fp16 bytes of each context. PCA transform coding (notebook 05) is left out: it stores a cache
-between turns, it is not a live cache that attention reads while decoding.
+(:mod:`kvlib.retrieval`, Wilson 95 % interval) at ~1k and ~2k tokens, plus the multi-key
+variant (4 keys, one asked) at ~1k; budgets are taken from the fp16 bytes of each context.
+Every cache answers the same prompts, with one prefill per prompt shared by all of them
+(:func:`kvlib.retrieval.compare_retrieval`, exact).
 
-Writes run ``"eviction"`` of ``kvlib/results.json`` (rows keyed
-``<registry name>@1/<k>`` for eviction, by registry name for quantization and the reference),
-and prints a Markdown table with the best row of each family at each budget.
+Writes run ``"eviction"`` of ``kvlib/results.json`` (rows keyed ``<registry name>@1/<k>`` for
+eviction and transform coding, by registry name for quantization and the reference), and
+prints a Markdown table with the best row of each family at each budget.
 
     .venv/bin/python benchmarks/bench_eviction.py            # 2048 tokens, 1k + 2k retrieval
     .venv/bin/python benchmarks/bench_eviction.py --quick    # 1024 tokens, 1/4 and 1/8, 1k
 
-Peer: kvpress 0.5.5 pins ``transformers<5.3`` and cannot share this environment; it is not run
-here (see the run's ``peer`` field).
+Peer: kvpress 0.5.5 pins ``transformers<5.3`` and cannot share this environment; it runs in its
+own virtual environment (``make kvpress-peer``, ``benchmarks/bench_kvpress.py``, run
+``"kvpress"``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import sys
 import time
@@ -37,7 +45,7 @@ import torch
 import transformers
 
 import kvlib
-from kvlib import cache_registry, eviction, quality, results, retrieval
+from kvlib import cache_registry, eviction, kvtc, pca, quality, results, retrieval
 from kvlib.specs import kv_geometry
 
 QUANT = ("kvlib-int8", "kvlib-int4", "kvlib-int3", "kvlib-int2")
@@ -53,31 +61,68 @@ def fp16_bytes(config, tokens: int) -> int:
     return 2 * g.num_layers * g.num_kv_heads * g.head_dim * 2 * tokens
 
 
-def measure(model, tok, ids, factory_for, contexts, trials, seed) -> dict:
-    """Perplexity (chunked) and retrieval accuracy; ``factory_for(tokens)`` gives a cache
-    factory sized for a context of ``tokens`` tokens."""
+KVTC_WINDOW = (4, 32)  # sinks and recent tokens kept in fp16 by the stored caches
+MULTI_KEYS = 4
+
+
+def perplexity_row(model, ids, factory) -> dict:
+    """Chunked perplexity with a fresh cache, and the cache's bytes at the end."""
     t0 = time.perf_counter()
-    cache = factory_for(ids.shape[1] - 1)()  # the last token is only a target
+    cache = factory()
     with eviction.capture_queries(model):
         ppl = quality.perplexity(model, ids, cache=cache, chunk_size=64)
-    row = {"perplexity": ppl, "nbytes": kvlib.compat.cache_nbytes(cache)}
-    row["fp16_fraction"] = row["nbytes"] / fp16_bytes(model.config, ids.shape[1] - 1)
-    for ctx in contexts:
-        r = retrieval.evaluate_retrieval(
-            model,
-            tok,
-            factory_for(ctx),
-            context_tokens=(ctx,),
-            depths=DEPTHS,
-            trials=trials,
-            seed=seed,
-        )
+    n = kvlib.compat.cache_nbytes(cache)
+    return {
+        "perplexity": ppl,
+        "nbytes": n,
+        "fp16_fraction": n / fp16_bytes(model.config, ids.shape[1] - 1),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def kvtc_restore(codec):
+    def restore(cache):
+        data = codec.encode(cache)
+        return codec.decode(data), len(data)
+
+    return restore
+
+
+def kvtc_codec(basis, k: int, tokens: int):
+    """A codec whose stored bytes for ``tokens`` tokens aim at 0.95/k of fp16: the fp16
+    window's share is paid first, the codes get the rest (entropy coding then lands at
+    0.9-1.0 of their budget, notebook 05)."""
+    w = sum(KVTC_WINDOW) / tokens
+    compression = (1 - w) / (0.95 / k - w)
+    return kvtc.KVTCCodec(
+        basis, compression=compression, sink_tokens=KVTC_WINDOW[0], recent_tokens=KVTC_WINDOW[1]
+    )
+
+
+def retrieval_columns(model, tok, config, factories, basis, fractions, column, seed, **grid):
+    """One shared-prefill retrieval run of every cache; fills ``column`` of each row."""
+    ctx = grid["context_tokens"][0]
+    caches = {name: f(ctx) for name, f in factories.items()}
+    restored = {
+        f"kvtc@1/{k}": kvtc_restore(kvtc_codec(basis, k, ctx)) for k in fractions
+    } if basis is not None else {}  # fmt: skip
+    t0 = time.perf_counter()
+    out = retrieval.compare_retrieval(
+        model, tok, caches, restored=restored, seed=seed, progress=True, **grid
+    )
+    log(f"retrieval {column}: {len(out)} caches in {time.perf_counter() - t0:.0f} s")
+    rows = {}
+    for name, r in out.items():
         s = r.summary()
-        row[f"retrieval_{ctx}"] = s["accuracy"]
-        row[f"retrieval_{ctx}_ci"] = [s["ci_low"], s["ci_high"]]
-        row[f"retrieval_{ctx}_trials"] = s["trials"]
-    row["seconds"] = time.perf_counter() - t0
-    return row
+        fp16 = [fp16_bytes(config, rec["prompt_tokens"]) for rec in r.records]
+        frac = sum(rec["nbytes"] / f for rec, f in zip(r.records, fp16, strict=True)) / len(fp16)
+        rows[name] = {
+            column: s["accuracy"],
+            f"{column}_ci": [s["ci_low"], s["ci_high"]],
+            f"{column}_trials": s["trials"],
+            f"{column}_fp16_fraction": frac,
+        }
+    return rows
 
 
 def main() -> None:
@@ -85,10 +130,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1024 tokens, budgets 1/4 and 1/8, 1k")
     ap.add_argument("--tokens", type=int, default=None, help="perplexity tokens (default 2048)")
     ap.add_argument("--trials", type=int, default=None, help="retrieval trials per depth")
+    ap.add_argument("--multi-trials", type=int, default=2, help="multi-key trials per depth")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--contexts", type=int, nargs="*", default=None, help="retrieval lengths")
     ap.add_argument("--policies", nargs="*", default=list(eviction.POLICIES))
+    ap.add_argument("--no-kvtc", action="store_true", help="leave transform coding out")
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -96,29 +143,25 @@ def main() -> None:
     tokens = args.tokens or (1024 if args.quick else 2048)
     fractions = (4, 8) if args.quick else (2, 4, 8, 16)
     contexts = tuple(args.contexts or ((1024,) if args.quick else (1024, 2048)))
-    trials = args.trials or (1 if args.quick else 4)
+    trials = args.trials or (2 if args.quick else 4)
+    t_start = time.perf_counter()
 
     from kvlib.models import load_model
 
     model, tok = load_model(device="cpu")
     config = model.config
-    text = kvlib.data.load_eval_text()[: tokens * 8 + 1000]
-    ids = tok(text, return_tensors="pt").input_ids[:, :tokens]
-    measured = {}
-
-    def run(name, factory_for):
-        row = measure(model, tok, ids, factory_for, contexts, trials, args.seed)
-        measured[name] = row
-        acc = " ".join(f"{c}: {row[f'retrieval_{c}']:.2f}" for c in contexts)
-        log(
-            f"{name:28s} ppl {row['perplexity']:.3f}  bytes/fp16 {row['fp16_fraction']:.3f}  "
-            f"retrieval {acc}  ({row['seconds']:.0f} s)"
-        )
+    calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
+    ids = tok(evaluation[: tokens * 8 + 1000], return_tensors="pt").input_ids[:, :tokens]
+    basis = None
+    if not args.no_kvtc:
+        t0 = time.perf_counter()
+        basis = pca.fit_kv_pca(model, tok, calib, cross_layer=False, max_tokens=4096)
+        log(f"PCA basis fitted on 4096 calibration tokens in {time.perf_counter() - t0:.0f} s")
 
     reference = cache_registry.reference_name(model.dtype)
-    run(reference, lambda _t: cache_registry.cache_factory(reference, config))
+    factories = {reference: lambda _t: None}  # None: the model's own DynamicCache
     for name in QUANT:
-        run(name, lambda _t, n=name: cache_registry.cache_factory(n, config))
+        factories[name] = lambda _t, n=name: cache_registry.cache_factory(n, config)
     for k in fractions:
         for policy in args.policies:
             for suffix in ("", "-int4"):
@@ -128,53 +171,85 @@ def main() -> None:
                     budget = fp16_bytes(config, t) // k
                     return cache_registry.eviction_factory(n, config, max_bytes=budget)
 
-                run(f"{name}@1/{k}", factory_for)
+                factories[f"{name}@1/{k}"] = factory_for
+
+    measured: dict[str, dict] = {}
+    for name, factory_for in factories.items():
+        f = factory_for(tokens - 1) or (lambda: kvlib.compat.dynamic_cache(config))
+        row = measured[name] = perplexity_row(model, ids, f)
+        log(f"{name:28s} ppl {row['perplexity']:.3f}  bytes/fp16 {row['fp16_fraction']:.3f}  "
+            f"({row['seconds']:.0f} s)")  # fmt: skip
+    columns = [(f"retrieval_{c}", {"context_tokens": (c,), "trials": trials}) for c in contexts]
+    columns.append(
+        (
+            f"retrieval_multi_{contexts[0]}",
+            {"context_tokens": (contexts[0],), "n_keys": MULTI_KEYS, "trials": args.multi_trials},
+        )
+    )
+    for column, grid in columns:
+        got = retrieval_columns(
+            model, tok, config, factories, basis, fractions, column, args.seed, **grid
+        )
+        for name, cols in got.items():
+            measured.setdefault(name, {}).update(cols)
 
     ref_ppl = measured[reference]["perplexity"]
     for row in measured.values():
-        row["perplexity_delta_pct"] = 100 * (row["perplexity"] / ref_ppl - 1)
+        if "perplexity" in row:
+            row["perplexity_delta_pct"] = 100 * (row["perplexity"] / ref_ppl - 1)
 
-    # the best row of each family at each budget (perplexity first, as the lesser harm)
     def family(name: str) -> str:
         if name.startswith("kvlib-"):
             return "quantization"
+        if name.startswith("kvtc@"):
+            return "transform coding"
         if name.startswith("evict-"):
             return "eviction+int4" if "-int4@" in name else "eviction"
         return "reference"
 
+    def fraction(row: dict) -> float:  # bytes over fp16: at the perplexity length if live
+        return row.get("fp16_fraction", row[f"retrieval_{contexts[0]}_fp16_fraction"])
+
+    # the best row of each family at each budget: retrieval first (at the first context), then
+    # the lesser perplexity cost
     best = {}
     for k in fractions:
-        for fam in ("quantization", "eviction", "eviction+int4"):
+        for fam in ("quantization", "transform coding", "eviction", "eviction+int4"):
             rows = [
                 (n, r)
                 for n, r in measured.items()
                 if family(n) == fam
-                and r["fp16_fraction"] <= float(Fraction(1, k)) * 1.001
+                and fraction(r) <= float(Fraction(1, k)) * 1.001
                 and (fam == "quantization" or n.endswith(f"@1/{k}"))
             ]
             if rows:
                 n, r = min(
-                    rows, key=lambda nr: (-nr[1][f"retrieval_{contexts[0]}"], nr[1]["perplexity"])
+                    rows,
+                    key=lambda nr: (
+                        -nr[1][f"retrieval_{contexts[0]}"],
+                        nr[1].get("perplexity", math.inf),
+                    ),
                 )
                 best[f"1/{k} {fam}"] = n
 
-    head = " | ".join(f"retrieval @{c}" for c in contexts)
+    cols = [c for c, _ in columns]
+    head = " | ".join(c.replace("retrieval_", "retrieval @") for c in cols)
     print(f"\n| budget | family | best row | Δ ppl % | {head} | bytes / fp16 |")
-    print("|---|---|---|---|" + "---|" * len(contexts) + "---|")
+    print("|---|---|---|---|" + "---|" * len(cols) + "---|")
+
+    def accs(r: dict) -> str:
+        return " | ".join(
+            f"{r[c]:.2f} [{r[f'{c}_ci'][0]:.2f}, {r[f'{c}_ci'][1]:.2f}]" for c in cols
+        )
+
     ref = measured[reference]
-    accs = " | ".join(f"{ref[f'retrieval_{c}']:.2f}" for c in contexts)
-    print(f"| 1 | reference | {reference} | 0 | {accs} | {ref['fp16_fraction']:.2f} |")
+    print(f"| 1 | reference | {reference} | 0 | {accs(ref)} | {ref['fp16_fraction']:.2f} |")
     for key, n in best.items():
-        budget, fam = key.split(" ")
+        budget, fam = key.split(" ", 1)
         r = measured[n]
-        accs = " | ".join(
-            f"{r[f'retrieval_{c}']:.2f} [{r[f'retrieval_{c}_ci'][0]:.2f}, {r[f'retrieval_{c}_ci'][1]:.2f}]"
-            for c in contexts
-        )
-        print(
-            f"| {budget} | {fam} | {n} | {r['perplexity_delta_pct']:+.2f} | {accs} | "
-            f"{r['fp16_fraction']:.3f} |"
-        )
+        delta = f"{r['perplexity_delta_pct']:+.2f}" if "perplexity" in r else "n/a"
+        print(f"| {budget} | {fam} | {n} | {delta} | {accs(r)} | {fraction(r):.3f} |")
+    log(f"total {time.perf_counter() - t_start:.0f} s")
 
     if args.no_json:
         return
@@ -188,10 +263,17 @@ def main() -> None:
             "chunk": 64,
             "budgets": [f"1/{k}" for k in fractions],
             "retrieval_contexts": list(contexts),
+            "retrieval_multi_keys": MULTI_KEYS,
             "retrieval_depths": list(DEPTHS),
             "retrieval_trials_per_depth": trials,
+            "retrieval_multi_trials_per_depth": args.multi_trials,
+            "int4_residual": cache_registry.INT_RESIDUAL,
+            "kvtc": None
+            if basis is None
+            else {"calibration_tokens": 4096, "sinks": KVTC_WINDOW[0], "recent": KVTC_WINDOW[1]},
             "seed": args.seed,
             "quick": args.quick,
+            "seconds": round(time.perf_counter() - t_start),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
@@ -200,8 +282,7 @@ def main() -> None:
             for n, r in measured.items()
         },
         "best": best,
-        "peer": "kvpress 0.5.5 not run: it pins transformers<5.3 and needs its own environment "
-        "(not built in this run); compared against the published algorithms instead",
+        "peer": "kvpress 0.5.5 in its own environment: run 'kvpress' (benchmarks/bench_kvpress.py)",
     }
     log(f"wrote run 'eviction' to {results.record_run('eviction', run_entry)}")
 

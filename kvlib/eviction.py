@@ -10,7 +10,9 @@ it unchanged. Policies (:data:`POLICIES`, scoring in :mod:`kvlib.eviction_scores
 (every head keeps the same number, possibly different tokens), in position order: keys and
 values in ``dtype`` (the model's by default; float16 for an fp16 deployment's bytes) or
 quantized per token to ``bits`` (kvlib's :class:`~kvlib.quant.QuantizedTensor`, packed codes
-plus float16 scales and zero points, keys Hadamard-rotated below 8 bits), their positions
+plus float16 scales and zero points, keys Hadamard-rotated below 8 bits) except the ``residual``
+most recent tokens, which stay in ``dtype`` until newer ones push them out (KIVI's and
+:class:`~kvlib.cache.QuantizedKVCache`'s full-precision window; they are never evicted), their positions
 (int32), and for ``h2o`` and ``snapkv`` their running scores (float32). :meth:`EvictionCache.nbytes`
 counts all of it. The tokens of one forward pass are attended to in full in that pass (the
 prompt of a prefill included, as SnapKV and kvpress do) and evicted at its end.
@@ -59,6 +61,7 @@ __all__ = [
     "EvictionCache",
     "EvictionLayer",
     "capture_queries",
+    "recorded_queries",
     "token_nbytes",
 ]
 
@@ -168,6 +171,7 @@ class EvictionLayer(CacheLayerMixin):
         sinks: int | None = None,
         window: int | None = None,
         bits: int | None = None,
+        residual: int = 0,
         dtype: torch.dtype | None = None,
         group_size: int | None = None,
         rotation: torch.Tensor | None = None,
@@ -191,6 +195,11 @@ class EvictionLayer(CacheLayerMixin):
             if self.window > room:
                 raise ValueError(f"window must be <= budget - sinks = {room} (got {self.window})")
         self.bits = None if bits is None else check_bits(bits)
+        self.residual = check_int(residual, "residual", minimum=0)
+        if self.residual and self.bits is None:
+            raise ValueError("residual (tokens kept unquantized) needs bits")
+        self.residual = min(self.residual, room // 2)  # at most half the free budget
+        self.window = max(self.window, self.residual)  # the float tokens are never evicted
         self.dtype_option, self.group_size, self.rotation = dtype, group_size, rotation
         self.pending: tuple[torch.Tensor, float] | None = None
         self._clear()
@@ -199,6 +208,7 @@ class EvictionLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.qkeys: QuantizedTensor | None = None
         self.qvalues: QuantizedTensor | None = None
+        self.rkeys = self.rvalues = None  # the float residual (quantized storage only)
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
         self.seen = 0
@@ -244,19 +254,36 @@ class EvictionLayer(CacheLayerMixin):
             return empty, empty
         if self.bits is None:
             return self.keys.to(self.model_dtype), self.values.to(self.model_dtype)
-        k = self.qkeys.dequantize(torch.float32)
-        if self.rotation is not None:
-            k = k @ self.rotation.T.to(k.device)
-        return k.to(self.model_dtype), self.qvalues.dequantize(self.model_dtype)
+        keys, values = [], []
+        if self.qkeys is not None and self.qkeys.shape[2]:
+            k = self.qkeys.dequantize(torch.float32)
+            if self.rotation is not None:
+                k = k @ self.rotation.T.to(k.device)
+            keys.append(k.to(self.model_dtype))
+            values.append(self.qvalues.dequantize(self.model_dtype))
+        if self.rkeys is not None:
+            keys.append(self.rkeys.to(self.model_dtype))
+            values.append(self.rvalues.to(self.model_dtype))
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Append the new tokens to the stored ones (quantizing only the new)."""
+        """Append the new tokens to the stored ones. Quantized storage keeps the ``residual``
+        newest in float and quantizes the tokens that leave it, each once."""
         if self.bits is None:
             k, v = key_states.to(self.dtype), value_states.to(self.dtype)
             self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
             self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        else:
-            qk, qv = self._quantize(key_states, True), self._quantize(value_states, False)
+            return
+        k, v = key_states, value_states
+        if self.residual:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+            if self.rkeys is not None:
+                k, v = torch.cat([self.rkeys, k], dim=2), torch.cat([self.rvalues, v], dim=2)
+            out = max(0, k.shape[2] - self.residual)
+            self.rkeys, self.rvalues = k[:, :, out:].contiguous(), v[:, :, out:].contiguous()
+            k, v = k[:, :, :out], v[:, :, :out]
+        if k.shape[2]:
+            qk, qv = self._quantize(k, True), self._quantize(v, False)
             self.qkeys = qk if self.qkeys is None else self.qkeys.cat(qk, dim=2)
             self.qvalues = qv if self.qvalues is None else self.qvalues.cat(qv, dim=2)
 
@@ -266,10 +293,12 @@ class EvictionLayer(CacheLayerMixin):
         if self.bits is None:
             self.keys = self.keys.gather(2, full).contiguous()
             self.values = self.values.gather(2, full).contiguous()
-        else:
+        else:  # the float residual is the newest and protected: the quantized rows come first
+            nq = index.shape[2] - (0 if self.rkeys is None else self.rkeys.shape[2])
+            rows = index[:, :, :nq]
             self.qkeys, self.qvalues = (
-                _gather_rows(self.qkeys, index),
-                _gather_rows(self.qvalues, index),
+                _gather_rows(self.qkeys, rows),
+                _gather_rows(self.qvalues, rows),
             )
         self.positions = self.positions.gather(2, index).contiguous()
         if self.scores is not None:
@@ -389,7 +418,7 @@ class EvictionLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         rows = torch.as_tensor(rows, device=self.device).long()
-        for name in ("keys", "values", "positions", "scores"):
+        for name in ("keys", "values", "rkeys", "rvalues", "positions", "scores"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows))
@@ -420,7 +449,7 @@ class EvictionLayer(CacheLayerMixin):
         """Exact bytes held: keys and values (codes, scales, zero points), positions, scores."""
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.positions, self.scores]
+        tensors = [self.keys, self.values, self.rkeys, self.rvalues, self.positions, self.scores]
         total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         if self.qkeys is not None:
             total += self.qkeys.nbytes + self.qvalues.nbytes
@@ -446,7 +475,10 @@ class EvictionCache(Cache):
         window: most recent tokens always kept (default :func:`default_window`).
         bits: store keys and values quantized per token to 2, 3, 4 or 8 bits (``None``: in
             ``dtype``); keys are Hadamard-rotated below 8 bits when head_dim is a power of two.
-        dtype: storage dtype when not quantized (``None``: the model's).
+        residual: with ``bits``, the most recent tokens kept in ``dtype`` (never evicted), at
+            most half the budget after the sinks (with ``max_bytes``: at most half the bytes,
+            paid at float bytes); default 0.
+        dtype: storage dtype when not quantized, and of the residual (``None``: the model's).
         group_size: channels per scale when quantized (default: the largest divisor of
             head_dim up to 64).
 
@@ -466,6 +498,7 @@ class EvictionCache(Cache):
         sinks: int | None = None,
         window: int | None = None,
         bits: int | None = None,
+        residual: int = 0,
         dtype: torch.dtype | None = None,
         group_size: int | None = None,
     ) -> None:
@@ -485,17 +518,21 @@ class EvictionCache(Cache):
         geo = kv_geometry(config.get_text_config(decoder=True))
         if (budget is None) == (max_bytes is None):
             raise ValueError("give exactly one of budget (tokens per layer) and max_bytes")
+        residual = check_int(residual, "residual", minimum=0)
         if max_bytes is not None:
             max_bytes = check_int(max_bytes, "max_bytes", minimum=1)
+            store = {"dtype": dtype or _config_dtype(config), "group_size": group_size}
             per = len(types) * token_nbytes(
-                geo.head_dim,
-                geo.num_kv_heads,
-                policy,
-                bits=bits,
-                dtype=dtype or _config_dtype(config),
-                group_size=group_size,
+                geo.head_dim, geo.num_kv_heads, policy, bits=bits, **store
             )
-            budget = max_bytes // per
+            if bits is not None and residual:  # float tokens first, at most half the bytes
+                float_per = len(types) * token_nbytes(
+                    geo.head_dim, geo.num_kv_heads, policy, **store
+                )
+                residual = min(residual, max_bytes // 2 // float_per)
+                budget = residual + (max_bytes - residual * float_per) // per
+            else:
+                budget = max_bytes // per
             if budget < 1:
                 raise ValueError(
                     f"max_bytes {max_bytes} holds no token in every layer; accepted: >= {per} "
@@ -511,6 +548,7 @@ class EvictionCache(Cache):
                 sinks=sinks,
                 window=window,
                 bits=bits,
+                residual=residual,
                 dtype=dtype,
                 group_size=group_size,
                 rotation=self.rotation,
@@ -557,10 +595,9 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return mods
 
 
-def _query_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, EvictionCache) or not POLICIES[cache.policy][0]:
-        return
+def _queries(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, float]:
+    """The queries ``(batch, heads, q_len, head_dim)`` (after RoPE) an attention module is
+    about to compute, and its softmax scale, from its forward arguments."""
     h = kwargs.get("hidden_states", args[0] if args else None)
     cos, sin = kwargs["position_embeddings"]
     q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim)
@@ -569,8 +606,35 @@ def _query_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     q = q.transpose(1, 2)
     rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
     q, _ = rope(q, q, cos, sin)
-    scaling = getattr(module, "scaling", module.head_dim**-0.5)
-    cache.layers[module.layer_idx].set_queries(q, scaling)
+    return q, float(getattr(module, "scaling", module.head_dim**-0.5))
+
+
+def _query_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, EvictionCache) or not POLICIES[cache.policy][0]:
+        return
+    cache.layers[module.layer_idx].set_queries(*_queries(module, args, kwargs))
+
+
+@contextlib.contextmanager
+def recorded_queries(model: torch.nn.Module) -> Iterator[dict[int, tuple[torch.Tensor, float]]]:
+    """Within this block, every forward pass of ``model`` records each layer's queries and
+    softmax scale in the yielded dict ``{layer_idx: (queries, scaling)}`` (the last pass's),
+    whatever the cache, so that an :class:`EvictionLayer` can be filled later
+    (:meth:`EvictionLayer.set_queries`, then ``update``)."""
+    seen: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        seen[module.layer_idx] = _queries(module, args, kwargs)
+
+    handles = [
+        m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)
+    ]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager

@@ -24,21 +24,24 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from kvlib import compat
 from kvlib.data import load_eval_text
-from kvlib.eviction import capture_queries
+from kvlib.eviction import EvictionLayer, capture_queries, recorded_queries
 from kvlib.validate import check_int, check_number
 
 __all__ = [
     "DOORS",
     "RetrievalResult",
     "Trial",
+    "compare_retrieval",
     "evaluate_retrieval",
     "make_trial",
     "wilson_interval",
@@ -249,6 +252,10 @@ class RetrievalResult:
         }
 
 
+#: The first number of an answer is complete once a non-digit follows it: decoding stops there.
+_ANSWERED = re.compile(r"\d\D")
+
+
 def _first_number(text: str) -> str | None:
     m = re.search(r"\d+", text)
     return m.group(0) if m else None
@@ -258,6 +265,62 @@ def _check_values(values: Any, name: str, check: Callable[[Any], Any]) -> list[A
     if isinstance(values, str) or not isinstance(values, Sequence) or not values:
         raise TypeError(f"{name} must be a non-empty list (got {values!r})")
     return [check(v) for v in values]
+
+
+def _check_grid(
+    context_tokens: Sequence[int],
+    depths: Sequence[float],
+    key_digits: Sequence[int],
+    trials: int,
+    seed: int,
+) -> tuple[list[int], list[float], list[int], int, int]:
+    contexts = _check_values(
+        context_tokens, "context_tokens", lambda v: check_int(v, "context_tokens", minimum=128)
+    )
+    depth_list = _check_values(depths, "depths", _check_depth)
+    digit_list = _check_values(
+        key_digits, "key_digits", lambda v: check_int(v, "key_digits", minimum=1)
+    )
+    return (
+        contexts,
+        depth_list,
+        digit_list,
+        check_int(trials, "trials", minimum=1),
+        check_int(seed, "seed"),
+    )
+
+
+def _trials(
+    tokenizer: Any,
+    grid: tuple[list[int], list[float], list[int], int, int],
+    n_keys: int,
+) -> Iterator[Trial]:
+    """The seeded trials of a grid, in a fixed order (the same seed: the same prompts)."""
+    contexts, depth_list, digit_list, trials, seed = grid
+    rng = random.Random(seed)
+    corpus = load_eval_text()
+    for ctx in contexts:
+        for digits in digit_list:
+            for depth in depth_list:
+                for _ in range(trials):
+                    yield make_trial(
+                        tokenizer, ctx, depth, key_digits=digits, n_keys=n_keys, rng=rng,
+                        corpus=corpus,
+                    )  # fmt: skip
+
+
+def _record(trial: Trial, text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "context_tokens": trial.context_tokens,
+        "prompt_tokens": int(trial.input_ids.shape[1]),
+        "depth": trial.depth,
+        "key_digits": trial.key_digits,
+        "n_keys": trial.n_keys,
+        "answer": trial.answer,
+        "output": text,
+        "correct": _first_number(text) == trial.answer,
+        **extra,
+    }
 
 
 def evaluate_retrieval(
@@ -276,7 +339,8 @@ def evaluate_retrieval(
 
     Every combination of context length, depth and key length is tried ``trials`` times with
     different keys and filler (``trials * len(context_tokens) * len(depths) *
-    len(key_digits)`` prompts in all), by greedy decoding of ``key_digits + 4`` tokens.
+    len(key_digits)`` prompts in all), by greedy decoding of ``key_digits + 4`` tokens
+    (``model.generate``).
 
     Args:
         cache_factory: zero-argument callable returning a fresh transformers cache (e.g.
@@ -291,57 +355,138 @@ def evaluate_retrieval(
         TypeError / ValueError: bad grid values, ``trials < 1``, or ``cache_factory`` not
             callable.
     """
-    contexts = _check_values(
-        context_tokens, "context_tokens", lambda v: check_int(v, "context_tokens", minimum=128)
-    )
-    depth_list = _check_values(depths, "depths", _check_depth)
-    digit_list = _check_values(
-        key_digits, "key_digits", lambda v: check_int(v, "key_digits", minimum=1)
-    )
-    trials = check_int(trials, "trials", minimum=1)
-    seed = check_int(seed, "seed")
+    grid = _check_grid(context_tokens, depths, key_digits, trials, seed)
     if cache_factory is not None and not callable(cache_factory):
         raise TypeError(
             f"cache_factory must be callable or None (got {type(cache_factory).__name__})"
         )
-    rng = random.Random(seed)
-    corpus = load_eval_text()
     result = RetrievalResult()
     with capture_queries(model):
-        for ctx in contexts:
-            for digits in digit_list:
-                for depth in depth_list:
-                    for _ in range(trials):
-                        trial = make_trial(
-                            tokenizer,
-                            ctx,
-                            depth,
-                            key_digits=digits,
-                            n_keys=n_keys,
-                            rng=rng,
-                            corpus=corpus,
-                        )
-                        cache = cache_factory() if cache_factory is not None else None
-                        out = compat.generate(
-                            model,
-                            trial.input_ids,
-                            cache=cache,
-                            max_new_tokens=digits + 4,
-                            do_sample=False,
-                        )
-                        text = tokenizer.decode(
-                            out[0, trial.input_ids.shape[1] :], skip_special_tokens=True
-                        )
-                        result.records.append(
-                            {
-                                "context_tokens": ctx,
-                                "prompt_tokens": int(trial.input_ids.shape[1]),
-                                "depth": depth,
-                                "key_digits": digits,
-                                "n_keys": n_keys,
-                                "answer": trial.answer,
-                                "output": text,
-                                "correct": _first_number(text) == trial.answer,
-                            }
-                        )
+        for trial in _trials(tokenizer, grid, n_keys):
+            cache = cache_factory() if cache_factory is not None else None
+            out = compat.generate(
+                model,
+                trial.input_ids,
+                cache=cache,
+                max_new_tokens=trial.key_digits + 4,
+                do_sample=False,
+            )
+            text = tokenizer.decode(out[0, trial.input_ids.shape[1] :], skip_special_tokens=True)
+            result.records.append(_record(trial, text))
     return result
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])}
+
+
+def _fill(cache: Any, name: str, states: list, queries: dict) -> None:
+    """Give ``cache`` the prompt's keys and values layer by layer, as its prefill pass would,
+    and check that it returns them unchanged (what makes one shared prefill exact)."""
+    for i, (k, v) in enumerate(states):
+        layer = cache.layers[i] if hasattr(cache, "layers") and i < len(cache.layers) else None
+        if isinstance(layer, EvictionLayer) and layer.needs_queries:
+            layer.set_queries(*queries[i])
+        keys, values = cache.update(k, v, i)
+        if not (torch.equal(keys, k) and torch.equal(values, v)):
+            raise ValueError(
+                f"cache {name!r} does not attend the prompt's own keys and values in its "
+                "prefill pass, so a shared prefill would change its result; use "
+                "evaluate_retrieval for it"
+            )
+
+
+def compare_retrieval(
+    model: Any,
+    tokenizer: Any,
+    caches: Mapping[str, Callable[[], Any] | None],
+    *,
+    restored: Mapping[str, Callable[[Any], tuple[Any, int]]] | None = None,
+    context_tokens: Sequence[int] = (1024,),
+    depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
+    key_digits: Sequence[int] = (5,),
+    trials: int = 4,
+    n_keys: int = 1,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, RetrievalResult]:
+    """:func:`evaluate_retrieval` for many caches on the same trials, with one prefill per
+    prompt.
+
+    In its prefill pass every cache here returns the prompt's own keys and values (the tokens
+    of one pass attend to each other in full, whatever is stored afterwards; kvlib's
+    quantized and eviction caches and DynamicCache all do), so the prefill's logits, keys,
+    values and queries are the same for every cache. They are computed once, with a
+    DynamicCache; each cache is then filled from them layer by layer (an eviction cache gets
+    each layer's queries first, :func:`kvlib.eviction.recorded_queries`) and decodes its
+    answer greedily on its own. A cache that returns anything else from its prefill is
+    refused with a ``ValueError``, so the shortcut never changes a result (tests check it
+    against :func:`evaluate_retrieval`). Decoding stops as soon as the answer's first number is
+    complete (a non-digit follows it), which is all a trial is scored on, so ``output`` may be
+    a prefix of :func:`evaluate_retrieval`'s.
+
+    Args:
+        caches: ``{name: cache factory}`` (``None``: a DynamicCache).
+        restored: ``{name: restore}`` for storage between turns (e.g. a KVTC codec):
+            ``restore(prompt_cache)`` gets the prompt's DynamicCache and returns the cache the
+            answer is decoded from and the bytes it was stored in.
+        progress: a tqdm bar over the prompts (on stderr).
+        Other arguments: as :func:`evaluate_retrieval`.
+
+    Returns:
+        ``{name: RetrievalResult}`` in the order given (``caches``, then ``restored``); each
+        record also holds ``nbytes``, the cache's bytes after the prefill (or the stored
+        bytes).
+
+    Raises:
+        TypeError / ValueError: as :func:`evaluate_retrieval`; no caches; a name in both
+            mappings; a cache whose prefill does not return the prompt's own states.
+    """
+    grid = _check_grid(context_tokens, depths, key_digits, trials, seed)
+    restored = dict(restored or {})
+    if not isinstance(caches, Mapping):
+        raise TypeError(
+            f"caches must be a mapping of name to factory (got {type(caches).__name__})"
+        )
+    for name, f in [*caches.items(), *restored.items()]:
+        if f is not None and not callable(f):
+            raise TypeError(f"the factory of {name!r} must be callable (got {type(f).__name__})")
+    if not caches and not restored:
+        raise ValueError("caches and restored are both empty: nothing to compare")
+    if set(caches) & set(restored):
+        raise ValueError(
+            f"names in both caches and restored: {sorted(set(caches) & set(restored))}"
+        )
+    results = {name: RetrievalResult() for name in [*caches, *restored]}
+    eos = _eos_ids(model)
+    trials_list = list(_trials(tokenizer, grid, n_keys))
+    with capture_queries(model):
+        for trial in tqdm(trials_list, desc="prompts", disable=not progress, file=sys.stderr):
+            with recorded_queries(model) as queries:
+                out = compat.forward(model, trial.input_ids, compat.dynamic_cache(model.config))
+            prompt_cache = compat.output_cache(out)
+            states = compat.cache_tensors(prompt_cache)
+            first = int(out.logits[0, -1].argmax())
+            for name in results:
+                if name in caches:
+                    factory = caches[name]
+                    cache = factory() if factory is not None else compat.dynamic_cache(model.config)
+                    _fill(cache, name, states, queries)
+                    nbytes = compat.cache_nbytes(cache)
+                else:
+                    cache, nbytes = restored[name](compat.clone_cache(prompt_cache))
+                tokens = [first]
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                while (
+                    len(tokens) < trial.key_digits + 4
+                    and tokens[-1] not in eos
+                    and not _ANSWERED.search(text)
+                ):
+                    step = compat.forward(model, torch.tensor([[tokens[-1]]]), cache)
+                    tokens.append(int(step.logits[0, -1].argmax()))
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                results[name].records.append(_record(trial, text, nbytes=int(nbytes)))
+    return results

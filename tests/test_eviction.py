@@ -167,6 +167,70 @@ def test_int4_eviction_moves_codes_without_requantizing(tiny):
         assert torch.equal(ka.gather(2, full), kb) and torch.equal(va.gather(2, full), vb)
 
 
+# ---------------------------------------------------------------- the float residual (int storage)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    t=st.integers(1, 60),
+    budget=st.integers(10, 30),
+    residual=st.integers(1, 8),
+    chunk=st.integers(1, 9),
+    policy=st.sampled_from(["streaming", "knorm", "tova"]),
+)
+def test_the_residual_holds_the_newest_tokens_unquantized(tiny, t, budget, residual, chunk, policy):
+    sinks = 4 if policy == "streaming" else 0
+    cache = EvictionCache(tiny.config, policy, budget=budget, bits=4, residual=residual)
+    dynamic = compat.dynamic_cache(tiny.config)
+    ids = ids_of(t, seed=t)
+    with capture_queries(tiny):
+        for s in range(0, t, chunk):
+            out = compat.forward(tiny, ids[:, s : s + chunk], cache)
+            compat.forward(tiny, ids[:, s : s + chunk], dynamic)  # the same chunks: same bits
+    ref = compat.cache_tensors(dynamic)
+    for i, layer in enumerate(cache.layers):
+        r = min(residual, (budget - sinks) // 2, t)  # at most half the free budget
+        assert layer.kept() == min(t, budget) and layer.rkeys.shape[2] == r
+        assert layer.positions[0, 0, -r:].tolist() == list(range(t - r, t))  # never evicted
+        if i:  # deeper layers saw int4 attention: their keys differ from the reference
+            continue
+        k, _ = layer.stored()
+        assert torch.equal(k[:, :, -r:], ref[i][0][:, :, t - r :])  # stored as it came
+        if layer.kept() > r:  # the older ones went through int4
+            pos = layer.positions[:, :, :-r].long().unsqueeze(-1).expand(-1, -1, -1, 16)
+            old = ref[i][0].gather(2, pos)  # each head's own kept tokens
+            assert 0 < (k[:, :, :-r] - old).abs().max() < 0.2 * old.abs().max()
+    assert out.logits.isfinite().all()
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_max_bytes_pays_for_the_residual_first(tiny, policy):
+    per_q = 2 * token_nbytes(16, 2, policy, bits=4, dtype=torch.float32)  # two layers
+    per_f = 2 * token_nbytes(16, 2, policy, dtype=torch.float32)
+    cache = EvictionCache(
+        tiny.config, policy, max_bytes=2 * per_f + 20 * per_q + 1, bits=4, residual=2
+    )
+    assert cache.budget == 22
+    with capture_queries(tiny):
+        for s in range(0, 50, 7):
+            compat.forward(tiny, ids_of(50)[:, s : s + 7], cache)
+            assert cache.nbytes() <= cache.max_bytes
+    assert cache.nbytes() == 2 * per_f + 20 * per_q
+    half = EvictionCache(tiny.config, policy, max_bytes=4 * per_f, bits=4, residual=4)
+    assert half.layers[0].residual == 2  # the float tokens take at most half the bytes
+
+
+def test_a_residual_needs_bits_and_takes_at_most_half_the_budget(tiny):
+    with pytest.raises(ValueError, match="residual .* needs bits"):
+        EvictionCache(tiny.config, "knorm", budget=8, residual=2)
+    assert (
+        EvictionCache(tiny.config, "streaming", budget=8, bits=4, residual=5).layers[0].residual
+        == 2
+    )
+    with pytest.raises(ValueError, match="residual must be an int >= 0"):
+        EvictionCache(tiny.config, "knorm", budget=8, bits=4, residual=-1)
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -141,3 +141,60 @@ def test_the_bundled_model_retrieves_a_short_key(model, tokenizer):
         model, tokenizer, context_tokens=(256,), depths=(0.2, 0.8), trials=2, seed=1
     )
     assert r.trials == 4 and r.correct >= 3, r.records
+
+
+def test_one_shared_prefill_answers_as_generate_does(model, tokenizer):
+    """compare_retrieval's shortcut (one prefill, each cache filled from it) gives every
+    cache the answer its own generate() run gives."""
+    from kvlib import cache_registry
+
+    config = model.config
+    caches = {
+        "dynamic": None,
+        "kvlib-int4": cache_registry.cache_factory("kvlib-int4", config),
+        "snapkv": cache_registry.eviction_factory("evict-snapkv", config, budget=96),
+        "h2o-int4": cache_registry.eviction_factory("evict-h2o-int4", config, budget=96),
+        "tova": cache_registry.eviction_factory("evict-tova", config, budget=64),
+    }
+    grid = {"context_tokens": (300,), "depths": (0.2, 0.7), "trials": 2, "seed": 3}
+    shared = retrieval.compare_retrieval(model, tokenizer, caches, **grid)
+    assert list(shared) == list(caches)
+    for name, factory in caches.items():
+        alone = retrieval.evaluate_retrieval(model, tokenizer, factory, **grid)
+        for a, b in zip(shared[name].records, alone.records, strict=True):
+            # the same answer; decoding stopped once its first number was complete
+            assert b["output"].startswith(a["output"]) and a["correct"] == b["correct"], name
+            assert retrieval._first_number(a["output"]) == retrieval._first_number(b["output"])
+    assert shared["snapkv"].records[0]["nbytes"] < shared["dynamic"].records[0]["nbytes"]
+    outputs = {tuple(r["output"] for r in res.records) for res in shared.values()}
+    assert len(outputs) > 1 or all(r["correct"] for r in shared["dynamic"].records)
+
+
+def test_compare_refuses_a_cache_that_changes_the_prefill(model, tokenizer):
+    from transformers.cache_utils import DynamicCache
+
+    class Noisy(DynamicCache):
+        def update(self, k, v, layer_idx, *args, **kwargs):
+            keys, values = super().update(k, v, layer_idx, *args, **kwargs)
+            return keys * 1.001, values
+
+    with pytest.raises(ValueError, match="'noisy' does not attend the prompt's own keys"):
+        retrieval.compare_retrieval(
+            model, tokenizer, {"noisy": lambda: Noisy(config=model.config)},
+            context_tokens=(200,), depths=(0.5,), trials=1,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("caches", "kwargs", "error", "match"),
+    [
+        ({}, {}, ValueError, "nothing to compare"),
+        ([None], {}, TypeError, "caches must be a mapping"),
+        ({"a": 3}, {}, TypeError, "the factory of 'a' must be callable"),
+        ({"a": None}, {"restored": {"a": lambda c: (c, 0)}}, ValueError, "names in both"),
+        ({"a": None}, {"trials": 0}, ValueError, "trials must be an int >= 1"),
+    ],
+)
+def test_compare_refuses_bad_arguments(caches, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        retrieval.compare_retrieval(object(), CharTokenizer(), caches, **kwargs)
