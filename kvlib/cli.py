@@ -167,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="recommend a KV-cache setting and engine flags",
         description="Recommend the KV-cache setting for a model, memory, context and load, with "
         "transformers / vLLM / llama.cpp settings (rules: kvlib.plan_rule's docstring). Memory "
-        "is in GiB, as GPUs are labelled: --gpu-memory 80 and 80GB both mean 80 GiB.",
+        "is in GiB, as GPUs are labelled: --gpu-memory 80 and 80GB both mean 80 GiB. A request "
+        "that does not fit gets 'would fit:' lines; one says whether token eviction would hold "
+        "it, with its measured cost (never chosen as the setting: it drops tokens).",
     )
     pl.add_argument("--model", required=True, help="registry name (see `kvlib models`)")
     where = pl.add_mutually_exclusive_group(required=True)

@@ -56,6 +56,7 @@ __all__ = [
     "ENGINES",
     "KV_TYPES",
     "LEVELS",
+    "TOKEN_EVICTION",
     "EngineKV",
     "accepts",
     "candidates",
@@ -68,6 +69,24 @@ __all__ = [
 ENGINES: tuple[str, ...] = ("transformers", "vllm", "llama.cpp")
 #: The planner's precision levels, highest first.
 LEVELS: tuple[str, ...] = ("fp16", "int8", "int4", "int2")
+
+#: What each engine offers for token eviction (keeping fewer tokens rather than fewer bits),
+#: for the planner's eviction line (:mod:`kvlib.plan_text`). Sources, checked for this table:
+#: llama.cpp's ``tools/server/README.md`` (ggml-org/llama.cpp at 00dc805): ``--keep N`` "number
+#: of tokens to keep from the initial prompt (default: 0, -1 = all)", ``--context-shift,
+#: --no-context-shift`` "whether to use context shift on infinite text generation (default:
+#: disabled)" (it was on by default when ``--no-context-shift`` came in, PR #9544, 2024); vLLM:
+#: no eviction API in its releases (StreamingLLM request vllm-project/vllm#1253 closed without
+#: it; session eviction, #43374, an open experimental PR), sliding windows are the model's own;
+#: kvpress 0.5.5's requirements pin transformers<5.3 (``benchmarks/bench_kvpress.py`` runs it in
+#: an environment of its own).
+TOKEN_EVICTION: dict[str, str] = {
+    "transformers": "kvlib's eviction caches (evict-<policy>, evict-<policy>-int4) and NVIDIA's "
+    "kvpress presses (SnapKV, StreamingLLM, KNorm, …; kvpress 0.5.5 pins transformers<5.3)",
+    "vllm": "no general token eviction (only a model's own sliding-window attention)",
+    "llama.cpp": "--context-shift (off by default in llama-server): when the context fills, it "
+    "keeps the first --keep N tokens and shifts the oldest of the rest out, StreamingLLM-like",
+}
 
 _GGML_BLOCK = 32  # values per ggml quantization block
 _FP16 = 16

@@ -104,6 +104,7 @@ class Plan(Decision):
         """A JSON-serialisable dict: every field, the budget, and the engine settings."""
         internal = (
             "spec", "budget", "results", "sequences_by_setting", "options", "types_by_setting",
+            "eviction",
         )  # fmt: skip
         out = {
             f.name: getattr(self, f.name)
@@ -120,6 +121,8 @@ class Plan(Decision):
         out["sequences_by_setting"] = dict(self.sequences_by_setting)
         out["types_by_setting"] = {k: t.name for k, t in self.types_by_setting.items()}
         out["options"] = {e: dataclasses.asdict(o) for e, o in self.options.items()}
+        ev = self.eviction
+        out["eviction"] = dataclasses.asdict(ev) | {"fraction": ev.fraction} if ev else None
         settings = {
             "transformers": self.to_transformers,
             "vllm": self.to_vllm,
@@ -225,7 +228,7 @@ def recommend(
         model=name,
         results=cited,
     )
-    would_fit = plan_text.suggestions(d, plan_fallbacks.fallbacks(d)) if not d.fits else ()
+    would_fit = plan_text.suggestions(d, plan_fallbacks.fallbacks(d), cited) if not d.fits else ()
     return Plan(
         **{f.name: getattr(d, f.name) for f in dataclasses.fields(Decision)},
         reasons=plan_text.reasons(d, cited),

@@ -45,6 +45,11 @@ in order:
    (:attr:`Decision.options`). Eight or more concurrent conversations → also store idle
    conversations compressed (PCA transform coding, :mod:`kvlib.kvtc`), :func:`idle_storage`.
 
+5. **Token eviction, never chosen**: when the request does not fit, whether keeping 1/k of each
+   sequence's fp16 bytes would hold it, on transformers with kvlib's cache
+   (:func:`kvlib.plan_eviction.eviction_option`, :attr:`Decision.eviction`). It is an option to
+   weigh, not the plan: eviction drops tokens, and what was dropped cannot be retrieved.
+
 The plan is worst-case: every sequence at the full context at once. Real traffic is shorter, and
 a paged engine admits more sequences than this count; the count is what is *guaranteed*.
 """
@@ -60,6 +65,7 @@ from typing import Any
 from kvlib import engines, memory
 from kvlib.engines import EngineKV
 from kvlib.memory import GIB
+from kvlib.plan_eviction import EvictionOption, eviction_option
 from kvlib.specs import ModelSpec
 
 __all__ = [
@@ -501,7 +507,9 @@ class Decision:
     level (``"fp8"`` on vLLM, ``"q4_0"`` on llama.cpp, ``"kvlib-int4"`` on transformers); every
     count is at that type's bytes. ``sequences_by_setting``: sequences each level the engine runs
     fits at the full context. ``options``: the same rule for every engine
-    (:class:`EngineOption`), so each engine's settings carry their own counts.
+    (:class:`EngineOption`), so each engine's settings carry their own counts. ``eviction``:
+    the token-eviction budget that would hold the whole request when it does not fit (rule 5),
+    else None — never the plan's setting.
     """
 
     model: str
@@ -532,6 +540,7 @@ class Decision:
     types_by_setting: Mapping[str, EngineKV] = field(
         default_factory=dict, repr=False, compare=False
     )
+    eviction: EvictionOption | None = field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -594,6 +603,7 @@ def decide(
     shown = kv or [n for n in QUALITY_LADDER[quality] if n in fits][-1]
     store, fp16 = types[shown].storage, types["fp16"].storage
     kv_budget = budget.kv_budget_bytes
+    fp16_bytes = kv_sequence_bytes(spec, context_len, fp16, tp)
     return Decision(
         model=model if model is not None else (spec.name or "custom model"),
         spec=spec,
@@ -613,7 +623,7 @@ def decide(
         tensor_parallel_size=tp,
         budget=budget,
         kv_bytes_per_sequence=kv_sequence_bytes(spec, context_len, store, tp),
-        kv_bytes_per_sequence_fp16=kv_sequence_bytes(spec, context_len, fp16, tp),
+        kv_bytes_per_sequence_fp16=fp16_bytes,
         max_concurrency=fits[shown] if kv else 0,
         max_concurrency_fp16=fits["fp16"],
         max_context=context_that_fits(spec, kv_budget, concurrency, store, tp) if kv else 0,
@@ -621,4 +631,5 @@ def decide(
         sequences_by_setting=fits,
         options=options,
         types_by_setting=types,
+        eviction=eviction_option(spec, kv_budget, fp16_bytes, concurrency, status, tp),
     )

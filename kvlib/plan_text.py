@@ -3,13 +3,16 @@
 Introduced in notebook 08. :func:`kvlib.plan.recommend` builds a :class:`~kvlib.plan.Plan` from
 a :class:`~kvlib.plan_rule.Decision` (the numbers) and these sentences. Reasons cite the
 project's measured perplexity cost and byte ratio of the chosen setting and say "not measured"
-where a figure is missing; no number is invented. Library code never prints: the CLI and the
+where a figure is missing; no number is invented. A request that does not fit also learns
+whether token eviction would hold it (:func:`eviction_note`), with the eviction run's measured
+perplexity and retrieval: offered there, never chosen. Library code never prints: the CLI and the
 notebooks print :func:`summary`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +32,7 @@ from kvlib.plan_rule import (
 __all__ = [
     "alternatives",
     "buys",
+    "eviction_note",
     "fmt_tokens",
     "quality_note",
     "results_to_cite",
@@ -345,6 +349,11 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
             "the count assumes every sequence at full context; with shorter real conversations a "
             "paged engine admits more — measure your length distribution"
         )
+    if d.eviction is not None:
+        out.append(
+            "token eviction by engine — "
+            + "; ".join(f"{e}: {what}" for e, what in engines.TOKEN_EVICTION.items())
+        )
     return tuple(out)
 
 
@@ -352,9 +361,12 @@ def _sequences(n: int) -> str:
     return "sequence" if n == 1 else "sequences"
 
 
-def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
+def suggestions(
+    d: Decision, fb: Fallbacks, results: Mapping[str, Any] | None = None
+) -> tuple[str, ...]:
     """What would fit a request that does not (``()`` when it does), from :func:`fallbacks
-    <kvlib.plan_fallbacks.fallbacks>`."""
+    <kvlib.plan_fallbacks.fallbacks>`, and last, when it would hold the request, token eviction
+    with its measured cost from ``results`` (:func:`eviction_note`)."""
     if d.fits:
         return ()
     lowest, n = d.lowest_setting, d.concurrency
@@ -390,7 +402,86 @@ def suggestions(d: Decision, fb: Fallbacks) -> tuple[str, ...]:
     tp = d.tensor_parallel_size
     what = f"{tp} GPUs of" if tp > 1 else ("RAM of" if d.device == "cpu" else "a GPU with")
     out.append(f"{what} at least {fb.memory_gib:.3g} GiB: the whole request with {lowest_type}")
-    return tuple(out)
+    note = eviction_note(d, {} if results is None else results)
+    return tuple(out + ([note] if note else []))
+
+
+#: The eviction run's families at one budget, preferred first: int4 storage keeps more tokens
+#: in the same bytes; ``quality="max"`` allows no quantized storage.
+_EVICTION_FAMILIES = {"max": ("eviction",)}
+_EVICTION_DEFAULT = ("eviction+int4", "eviction")
+
+
+def _accuracy(row: Mapping[str, Any], key: str, ci: bool = True) -> str | None:
+    """``0.95 [0.76, 0.99]``: a retrieval accuracy (and its interval), when measured."""
+    acc, interval = row.get(key), row.get(f"{key}_ci")
+    if not isinstance(acc, (int, float)):
+        return None
+    if ci and isinstance(interval, (list, tuple)) and len(interval) == 2:
+        return f"{acc:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+    return f"{acc:.2f}"
+
+
+def _eviction_figures(run: Mapping[str, Any], name: str) -> str:
+    """The measured cost of one eviction row: perplexity, then retrieval at every context the
+    run measured (single pass key, then several keys), against the uncompressed reference row."""
+    rows = run["rows"]
+    row = rows[name]
+    # the reference: the uncompressed DynamicCache (cache_registry.reference_name: dynamic-fp32 …)
+    ref = next((r for n, r in rows.items() if n.startswith("dynamic-")), {})
+    parts = []
+    if isinstance(row.get("perplexity_delta_pct"), (int, float)):
+        tokens = run.get("settings", {}).get("tokens")
+        on = f" on {tokens:,} tokens" if isinstance(tokens, int) else ""
+        parts.append(f"{_fmt_pct(row['perplexity_delta_pct'])} perplexity{on}")
+    for kind, label in (("", "pass-key retrieval"), ("multi_", "multi-key retrieval")):
+        found = [m for m in map(re.compile(rf"retrieval_{kind}(\d+)").fullmatch, row) if m]
+        at = []
+        for m in sorted(found, key=lambda m: int(m.group(1))):
+            acc, base = _accuracy(row, m.group(0)), _accuracy(ref, m.group(0), ci=False)
+            if acc:
+                vs = f" vs {base} uncompressed" if base else ""
+                at.append(f"{acc}{vs} at {int(m.group(1)):,} tokens")
+        if at:
+            parts.append(f"{label} {', '.join(at)}")
+    return ", ".join(parts) or "no figures"
+
+
+def eviction_note(d: Decision, results: Mapping[str, Any]) -> str | None:
+    """One line when token eviction would hold a request that does not fit
+    (:attr:`Decision.eviction <kvlib.plan_rule.Decision.eviction>`), else None: the budget, the
+    cache the eviction run found best there (``best["1/k eviction+int4"]``, else
+    ``best["1/k eviction"]``; float16 only for ``quality="max"``) with its measured perplexity
+    and retrieval, or that the run did not measure that budget — and what eviction costs."""
+    o = d.eviction
+    if o is None:
+        return None
+    run = kvresults.run("eviction", results)
+    best, rows = run.get("best"), run.get("rows")
+    families = _EVICTION_FAMILIES.get(d.quality, _EVICTION_DEFAULT)
+    name = None
+    if isinstance(best, Mapping) and isinstance(rows, Mapping):
+        keys = (best.get(f"{o.fraction} {f}") for f in families)
+        name = next((n for n in keys if isinstance(n, str) and n in rows), None)
+    where = f"{o.fraction} of the fp16 bytes per sequence"
+    if name is not None:
+        what = (
+            f"kvlib's {name.split('@')[0]} at {where} ({o.engine} + kvlib's cache; "
+            f"{kvresults.provenance(run)}: {_eviction_figures(run, name)})"
+        )
+    else:
+        cache = "evict-<policy>" + ("-int4" if "eviction+int4" in families else "")
+        budgets = run.get("settings", {}).get("budgets") or []
+        measured = (
+            f"not measured at {o.fraction}: the eviction run has {', '.join(budgets)}"
+            if run and budgets
+            else "not measured yet (benchmarks/bench_eviction.py)"
+        )
+        what = f"kvlib's {cache} caches at {where} ({o.engine} + kvlib's cache; {measured})"
+    return (
+        f"token eviction: the whole request with {what} — only for work that does not need "
+        "facts from far back: eviction drops tokens, and a dropped fact is gone"
+    )
 
 
 def alternatives(d: Decision) -> tuple[str, ...]:

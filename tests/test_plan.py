@@ -237,7 +237,7 @@ def test_to_dict_is_json_with_stable_keys():
         *["kv_bytes_per_sequence_fp16", "max_concurrency", "max_concurrency_fp16"],
         *["max_context", "max_context_fp16", "reasons", "watch", "suggestions", "spec"],
         *["budget", "fits", "buys", "sequences_by_setting", "types_by_setting", "options"],
-        *["transformers", "vllm", "llama_cpp"],
+        *["eviction", "transformers", "vllm", "llama_cpp"],
     ]
     assert (d["kv"], d["kv_type"], d["engine"]) == ("int4", "q4_0", "llama.cpp")
     assert d["reasons"] == list(p.reasons)
