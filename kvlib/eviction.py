@@ -39,11 +39,8 @@ Limits: ``full_attention`` layers only (Llama-style attention modules for the qu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,6 +50,7 @@ from kvlib import compat
 from kvlib import eviction_scores as es
 from kvlib.cache import default_group_size
 from kvlib.quant import QuantizedTensor, hadamard, quantize
+from kvlib.queries import capture_queries, recorded_queries
 from kvlib.specs import kv_geometry
 from kvlib.validate import check_bits, check_int
 
@@ -580,74 +578,3 @@ class EvictionCache(Cache):
         """``fp16_nbytes() / nbytes()`` (``nan`` while empty)."""
         n = self.nbytes()
         return self.fp16_nbytes() / n if n else math.nan
-
-
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    mods = [
-        m
-        for m in model.modules()
-        if hasattr(m, "q_proj") and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
-    ]
-    if not mods:
-        raise TypeError(
-            f"{type(model).__name__} has no Llama-style attention modules (q_proj, layer_idx)"
-        )
-    return mods
-
-
-def _queries(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, float]:
-    """The queries ``(batch, heads, q_len, head_dim)`` (after RoPE) an attention module is
-    about to compute, and its softmax scale, from its forward arguments."""
-    h = kwargs.get("hidden_states", args[0] if args else None)
-    cos, sin = kwargs["position_embeddings"]
-    q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim)
-    if hasattr(module, "q_norm"):  # Qwen3-style query norm, before RoPE
-        q = module.q_norm(q)
-    q = q.transpose(1, 2)
-    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    q, _ = rope(q, q, cos, sin)
-    return q, float(getattr(module, "scaling", module.head_dim**-0.5))
-
-
-def _query_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, EvictionCache) or not POLICIES[cache.policy][0]:
-        return
-    cache.layers[module.layer_idx].set_queries(*_queries(module, args, kwargs))
-
-
-@contextlib.contextmanager
-def recorded_queries(model: torch.nn.Module) -> Iterator[dict[int, tuple[torch.Tensor, float]]]:
-    """Within this block, every forward pass of ``model`` records each layer's queries and
-    softmax scale in the yielded dict ``{layer_idx: (queries, scaling)}`` (the last pass's),
-    whatever the cache, so that an :class:`EvictionLayer` can be filled later
-    (:meth:`EvictionLayer.set_queries`, then ``update``)."""
-    seen: dict[int, tuple[torch.Tensor, float]] = {}
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        seen[module.layer_idx] = _queries(module, args, kwargs)
-
-    handles = [
-        m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)
-    ]
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def capture_queries(model: torch.nn.Module) -> Iterator[None]:
-    """Within this block, every attention module of ``model`` hands its queries to an
-    :class:`EvictionCache` it is called with (other caches are left alone). Nested use is
-    harmless; the hooks are removed on exit."""
-    handles = [
-        m.register_forward_pre_hook(_query_hook, with_kwargs=True)
-        for m in _attention_modules(model)
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
