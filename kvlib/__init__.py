@@ -22,6 +22,7 @@ module                what it holds                                             
 ``blocks``            the block allocator behind paged caches                         06
 ``kernels``           a fused Triton decode-attention kernel over packed codes        09
 ``fused_attention``   routing transformers' attention to that kernel                  09
+``queries``           the attention queries a forward pass computes (eviction hooks)  10
 *techniques*
 ``recipes``           KV quantization recipes (KIVI layout, rotation, windows)        02, 03
 ``capture``           capturing a real model's Q/K/V, attention-output error          02, 03
@@ -45,6 +46,7 @@ module                what it holds                                             
 ``engines``           the KV-cache types each engine runs (vLLM, llama.cpp, …)        08
 ``plan_rule``         the planner's decision rule, in numbers                         08
 ``plan_fallbacks``    what would fit a request that does not                          08
+``plan_eviction``     whether token eviction would hold it (offered, never chosen)    08
 ``plan_text``         the planner's reasons, watch-outs and summary                   08
 ``plan_engines``      engine settings for transformers, vLLM and llama.cpp            08
 ``plan``              ``recommend()``: a deployable plan for a scenario               08
@@ -91,12 +93,14 @@ _SUBMODULES = (
     "pca",
     "plan",
     "plan_engines",
+    "plan_eviction",
     "plan_fallbacks",
     "plan_rule",
     "plan_text",
     "plot",
     "quality",
     "quant",
+    "queries",
     "recipes",
     "results",
     "retrieval",
