@@ -136,12 +136,23 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="*", default=None, help="retrieval lengths")
     ap.add_argument("--policies", nargs="*", default=list(eviction.POLICIES))
     ap.add_argument("--no-kvtc", action="store_true", help="leave transform coding out")
+    ap.add_argument("--budgets", type=int, nargs="*", default=None, help="k of 1/k (2 4 8 16)")
+    ap.add_argument(
+        "--int4-groups",
+        type=int,
+        nargs="*",
+        default=None,
+        help="channels per scale of the -int4 rows (default: the registry's); a row per size",
+    )
+    ap.add_argument("--only-int4", action="store_true", help="no quantization or float rows")
+    ap.add_argument("--run-name", default="eviction", help="the run written to results.json")
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kvlib.seed_everything(0)
     tokens = args.tokens or (1024 if args.quick else 2048)
-    fractions = (4, 8) if args.quick else (2, 4, 8, 16)
+    fractions = tuple(args.budgets or ((4, 8) if args.quick else (2, 4, 8, 16)))
+    groups = args.int4_groups or [None]
     contexts = tuple(args.contexts or ((1024,) if args.quick else (1024, 2048)))
     trials = args.trials or (2 if args.quick else 4)
     t_start = time.perf_counter()
@@ -160,18 +171,21 @@ def main() -> None:
 
     reference = cache_registry.reference_name(model.dtype)
     factories = {reference: lambda _t: None}  # None: the model's own DynamicCache
-    for name in QUANT:
+    for name in () if args.only_int4 else QUANT:
         factories[name] = lambda _t, n=name: cache_registry.cache_factory(n, config)
+    kinds = [("", None)] * (not args.only_int4) + [("-int4", g) for g in groups]
     for k in fractions:
         for policy in args.policies:
-            for suffix in ("", "-int4"):
+            for suffix, g in kinds:
                 name = f"evict-{policy}{suffix}"
+                options = {} if g is None else {"group_size": g}
 
-                def factory_for(t, n=name, k=k):
+                def factory_for(t, n=name, k=k, options=options):
                     budget = fp16_bytes(config, t) // k
-                    return cache_registry.eviction_factory(n, config, max_bytes=budget)
+                    return cache_registry.eviction_factory(n, config, max_bytes=budget, **options)
 
-                factories[f"{name}@1/{k}"] = factory_for
+                label = name if g is None else f"{name}-g{g}"
+                factories[f"{label}@1/{k}"] = factory_for
 
     measured: dict[str, dict] = {}
     for name, factory_for in factories.items():
@@ -180,12 +194,17 @@ def main() -> None:
         log(f"{name:28s} ppl {row['perplexity']:.3f}  bytes/fp16 {row['fp16_fraction']:.3f}  "
             f"({row['seconds']:.0f} s)")  # fmt: skip
     columns = [(f"retrieval_{c}", {"context_tokens": (c,), "trials": trials}) for c in contexts]
-    columns.append(
-        (
-            f"retrieval_multi_{contexts[0]}",
-            {"context_tokens": (contexts[0],), "n_keys": MULTI_KEYS, "trials": args.multi_trials},
+    if args.multi_trials:
+        columns.append(
+            (
+                f"retrieval_multi_{contexts[0]}",
+                {
+                    "context_tokens": (contexts[0],),
+                    "n_keys": MULTI_KEYS,
+                    "trials": args.multi_trials,
+                },
+            )
         )
-    )
     for column, grid in columns:
         got = retrieval_columns(
             model, tok, config, factories, basis, fractions, column, args.seed, **grid
@@ -204,7 +223,7 @@ def main() -> None:
         if name.startswith("kvtc@"):
             return "transform coding"
         if name.startswith("evict-"):
-            return "eviction+int4" if "-int4@" in name else "eviction"
+            return "eviction+int4" if "-int4" in name else "eviction"
         return "reference"
 
     def fraction(row: dict) -> float:  # bytes over fp16: at the perplexity length if live
@@ -268,6 +287,7 @@ def main() -> None:
             "retrieval_trials_per_depth": trials,
             "retrieval_multi_trials_per_depth": args.multi_trials,
             "int4_residual": cache_registry.INT_RESIDUAL,
+            "int4_groups": groups,
             "kvtc": None
             if basis is None
             else {"calibration_tokens": 4096, "sinks": KVTC_WINDOW[0], "recent": KVTC_WINDOW[1]},
@@ -284,7 +304,7 @@ def main() -> None:
         "best": best,
         "peer": "kvpress 0.5.5 in its own environment: run 'kvpress' (benchmarks/bench_kvpress.py)",
     }
-    log(f"wrote run 'eviction' to {results.record_run('eviction', run_entry)}")
+    log(f"wrote run {args.run_name!r} to {results.record_run(args.run_name, run_entry)}")
 
 
 if __name__ == "__main__":

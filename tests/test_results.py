@@ -27,6 +27,7 @@ SECTION_RUNS = {
     "CPU dry run of the GPU check": "gpu_check_dry_run",
     "llama.cpp's KV-cache types on the bundled GGUF (benchmarks/bench_engines.py)": "llama.cpp",
     "Every family at equal bytes (benchmarks/bench_eviction.py)": "eviction",
+    "Group size of eviction on int4 (benchmarks/bench_eviction.py --int4-groups)": "eviction_int4_groups",
     "kvlib's policies against kvpress 0.5.5 (benchmarks/bench_kvpress.py)": "kvpress",
 }
 
