@@ -122,11 +122,10 @@ def default_key_group_size(key_bits: int, residual_length: int) -> int:
     return residual_length
 
 
-def default_group_size(head_dim: int) -> int:
-    """Channels per value group when none is given: the largest divisor of ``head_dim`` <= 64."""
-    return max(
-        g for g in range(1, min(head_dim, DEFAULT_VALUE_GROUP_CHANNELS) + 1) if head_dim % g == 0
-    )
+def default_group_size(head_dim: int, most: int = DEFAULT_VALUE_GROUP_CHANNELS) -> int:
+    """Channels per value group when none is given: the largest divisor of ``head_dim`` <=
+    ``most`` (64)."""
+    return max(g for g in range(1, min(head_dim, most) + 1) if head_dim % g == 0)
 
 
 def default_rotate(key_bits: int, head_dim: int) -> bool:

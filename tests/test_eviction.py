@@ -278,6 +278,28 @@ def test_registry_names_build_their_caches(tiny):
         cache_registry.eviction_factory("evict-h2o", tiny.config, budget=0)
 
 
+@pytest.mark.parametrize("head_dim, group", [(64, 32), (80, 20), (16, 16)])
+def test_registry_int4_caches_use_groups_of_32_or_the_largest_divisor_below(head_dim, group):
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        vocab_size=97,
+    )
+    size = 2 * 2 * head_dim * 2 * 64  # 64 fp16 tokens
+    built = cache_registry.eviction_factory("evict-streaming-int4", config, max_bytes=size)()
+    store = {"bits": 4, "residual": cache_registry.INT_RESIDUAL, "dtype": torch.float16}
+    same = EvictionCache(config, "streaming", max_bytes=size, group_size=group, **store)
+    coarser = EvictionCache(config, "streaming", max_bytes=size, group_size=head_dim, **store)
+    assert built.budget == same.budget
+    assert group == head_dim or built.budget < coarser.budget  # finer scales cost tokens
+    k = torch.randn(1, 2, 8, head_dim)
+    built.update(k, k.clone(), 0)
+    assert built.layers[0].group_size == group
+
+
 # ---------------------------------------------------------------- scores
 
 
