@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument(
         "--segments",
         type=int,
-        default=2,
+        default=3,
         help="consecutive perplexity segments of --tokens tokens each (their mean is read)",
     )
     ap.add_argument("--trials", type=int, default=None, help="retrieval trials per depth")
