@@ -39,11 +39,9 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
 
 from kvlib import cache as kvcache
 from kvlib import compat, eviction
-from kvlib.specs import kv_geometry
 
 __all__ = [
     "CACHE_NAMES",
@@ -337,13 +335,6 @@ def make_cache(name: str, config: Any, **options: Any) -> Any:
 #: fp16 bytes, it takes H2O-int4's perplexity cost from +1.1 % to +0.1 % (bench_eviction.py).
 INT_RESIDUAL = 32
 
-#: Channels per scale and zero point of an ``evict-<policy>-int4`` cache (each token's keys
-#: and values are quantized on their own; the largest divisor of head_dim up to this). Measured at 1/4 of the fp16 bytes on 2,048 tokens
-#: (RESULTS.md, run "eviction_int4_groups"), groups of 32 cost half the perplexity of groups of
-#: 64 (H2O +0.49 % against +1.00 %) at the same retrieval; at 1/8, where the finer scales'
-#: bytes cost tokens, the two are within the noise on retrieval.
-INT_GROUP_SIZE = 32
-
 
 @dataclass(frozen=True)
 class EvictionInfo:
@@ -373,25 +364,12 @@ class EvictionInfo:
         of this kind for ``config``, holding ``budget`` tokens per layer (or ``max_bytes``)."""
         storage: dict[str, Any] = {"dtype": torch.float16}
         if self.bits:
-            storage |= {
-                "bits": self.bits,
-                "residual": INT_RESIDUAL,
-                "group_size": _int_group_size(config),
-            }
+            storage |= {"bits": self.bits, "residual": INT_RESIDUAL}
         merged = {**storage, **options}
         eviction.EvictionCache(config, self.policy, budget, max_bytes=max_bytes, **merged)
         return lambda: eviction.EvictionCache(
             config, self.policy, budget, max_bytes=max_bytes, **merged
         )
-
-
-def _int_group_size(config: Any) -> int | None:
-    """:data:`INT_GROUP_SIZE`, or the largest divisor of the model's head_dim below it (None for
-    a config that is not one: EvictionCache names the problem)."""
-    if not isinstance(config, PretrainedConfig):
-        return None
-    head_dim = kv_geometry(config.get_text_config(decoder=True)).head_dim
-    return kvcache.default_group_size(head_dim, INT_GROUP_SIZE)
 
 
 _EVICTION_LINES = {
@@ -414,7 +392,7 @@ def _eviction_entries() -> dict[str, EvictionInfo]:
             f"evict-{policy}-int4",
             policy,
             4,
-            f"{line}; kept tokens in int4 (per token, {INT_GROUP_SIZE} channels per scale), "
+            f"{line}; kept tokens in int4 (per token, {eviction.GROUP_SIZE} channels per scale), "
             f"the newest {INT_RESIDUAL} in float16",
         )
     return out

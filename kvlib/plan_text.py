@@ -430,9 +430,13 @@ def _eviction_figures(run: Mapping[str, Any], name: str) -> str:
     # the reference: the uncompressed DynamicCache (cache_registry.reference_name: dynamic-fp32 …)
     ref = next((r for n, r in rows.items() if n.startswith("dynamic-")), {})
     parts = []
-    if isinstance(row.get("perplexity_delta_pct"), (int, float)):
-        tokens = run.get("settings", {}).get("tokens")
-        on = f" on {tokens:,} tokens" if isinstance(tokens, int) else ""
+    settings = run.get("settings", {})
+    tokens, segs = settings.get("tokens"), row.get("perplexity_delta_pct_segments")
+    on = f" on {tokens:,} tokens" if isinstance(tokens, int) else ""
+    if isinstance(row.get("perplexity_delta_pct_mean"), (int, float)) and isinstance(segs, list):
+        on = f" on {len(segs)} × {tokens:,} tokens" if isinstance(tokens, int) else ""
+        parts.append(f"{_fmt_pct(row['perplexity_delta_pct_mean'])} perplexity (mean{on})")
+    elif isinstance(row.get("perplexity_delta_pct"), (int, float)):
         parts.append(f"{_fmt_pct(row['perplexity_delta_pct'])} perplexity{on}")
     for kind, label in (("", "pass-key retrieval"), ("multi_", "multi-key retrieval")):
         found = [m for m in map(re.compile(rf"retrieval_{kind}(\d+)").fullmatch, row) if m]

@@ -279,7 +279,7 @@ def test_registry_names_build_their_caches(tiny):
 
 
 @pytest.mark.parametrize("head_dim, group", [(64, 32), (80, 20), (16, 16)])
-def test_registry_int4_caches_use_groups_of_32_or_the_largest_divisor_below(head_dim, group):
+def test_int4_eviction_groups_32_channels_or_the_largest_divisor_below(head_dim, group):
     config = LlamaConfig(
         num_hidden_layers=2,
         hidden_size=64,
@@ -294,6 +294,9 @@ def test_registry_int4_caches_use_groups_of_32_or_the_largest_divisor_below(head
     same = EvictionCache(config, "streaming", max_bytes=size, group_size=group, **store)
     coarser = EvictionCache(config, "streaming", max_bytes=size, group_size=head_dim, **store)
     assert built.budget == same.budget
+    assert EvictionCache(config, "streaming", max_bytes=size, bits=4).budget == (
+        size // (2 * token_nbytes(head_dim, 2, "streaming", bits=4, group_size=group))
+    )
     assert group == head_dim or built.budget < coarser.budget  # finer scales cost tokens
     k = torch.randn(1, 2, 8, head_dim)
     built.update(k, k.clone(), 0)

@@ -179,6 +179,17 @@ def test_the_line_cites_the_best_int4_row_with_its_retrieval():
     assert plan_text.eviction_note(d, MEAS) == line
 
 
+def test_the_line_reads_the_mean_over_segments_when_the_run_has_them():
+    d = decide(LLAMA8, 24, 32768, 5)
+    row = ROWS["evict-h2o-int4@1/4"] | {
+        "perplexity_delta_pct_segments": [0.125, 0.5, 0.375],
+        "perplexity_delta_pct_mean": 1 / 3,
+    }
+    line = plan_text.eviction_note(d, _run(["1/4"], ROWS | {"evict-h2o-int4@1/4": row}, BEST))
+    assert "+0.333 % perplexity (mean on 3 × 2,048 tokens)" in line
+    assert "+0.125 %" not in line
+
+
 def test_the_line_falls_back_to_float_eviction_and_quality_max_uses_it():
     d = decide(LLAMA8, 24, 32768, 5)
     no_int4 = _run(["1/4"], ROWS, {"1/4 eviction": "evict-tova@1/4"})
