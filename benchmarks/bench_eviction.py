@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import re
 import statistics
 import sys
 import time
@@ -137,6 +138,63 @@ def retrieval_columns(model, tok, config, factories, basis, fractions, column, s
     return rows
 
 
+def markdown_tables(run: dict) -> str:
+    """The run's two Markdown tables (as in RESULTS.md): the best row of each family at each
+    budget, with Wilson 95 % intervals, then every row. Perplexity is the mean cost over the
+    run's segments, then each segment's, when it measured more than one."""
+    rows, settings = run["rows"], run["settings"]
+    cols = [k for k in next(iter(rows.values())) if re.fullmatch(r"retrieval_(multi_)?\d+", k)]
+    segs = settings.get("segments", 1) > 1
+    heads = [c.replace("retrieval_", "retrieval ").replace("_", " @") for c in cols]
+    heads = [h if "@" in h else h.replace("retrieval ", "retrieval @") for h in heads]
+    ppl_head = "Δ perplexity, mean (%) | per segment (%)" if segs else "Δ perplexity (%)"
+
+    def ppl(r: dict) -> str:
+        if "perplexity" not in r:
+            return "n/a | n/a" if segs else "n/a"
+        if not segs:
+            return f"{r['perplexity_delta_pct']:+.3f}"
+        each = " / ".join(f"{d:+.2f}" for d in r["perplexity_delta_pct_segments"])
+        return f"{r['perplexity_delta_pct_mean']:+.3f} | {each}"
+
+    def fraction(r: dict) -> float:  # bytes over fp16: at the perplexity length if live
+        return r["fp16_fraction"] if "fp16_fraction" in r else r[f"{cols[0]}_fp16_fraction"]
+
+    def ci(r: dict, c: str) -> str:
+        return f"{r[c]:.2f} [{r[f'{c}_ci'][0]:.2f}, {r[f'{c}_ci'][1]:.2f}]"
+
+    reference = next(n for n in rows if n.startswith("dynamic-"))
+    n_cols = 2 + segs + len(cols)
+    lines = [
+        f"| budget | family | best row | {ppl_head} | "
+        + " | ".join(f"{h} [95 % CI]" for h in heads)
+        + " | bytes / fp16 |",
+        "|---|---|---|" + "---|" * n_cols,
+        f"| 1 | reference | {reference} | {ppl(rows[reference])} | "
+        + " | ".join(ci(rows[reference], c) for c in cols)
+        + f" | {fraction(rows[reference]):.3f} |",
+    ]
+    for key, n in run["best"].items():
+        budget, fam = key.split(" ", 1)
+        r = rows[n]
+        lines.append(
+            f"| {budget} | {fam} | {n} | {ppl(r)} | "
+            + " | ".join(ci(r, c) for c in cols)
+            + f" | {fraction(r):.3f} |"
+        )
+    lines += [
+        "",
+        "Every row of the run:",
+        "",
+        f"| cache | {ppl_head} | " + " | ".join(heads) + " | bytes / fp16 |",
+        "|---|" + "---|" * n_cols,
+    ]
+    for n, r in rows.items():
+        accs = " | ".join(f"{r[c]:.2f}" for c in cols)
+        lines.append(f"| {n} | {ppl(r)} | {accs} | {fraction(r):.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1024 tokens, budgets 1/4 and 1/8, 1k")
@@ -165,7 +223,15 @@ def main() -> None:
     ap.add_argument("--only-int4", action="store_true", help="no quantization or float rows")
     ap.add_argument("--run-name", default="eviction", help="the run written to results.json")
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
+    ap.add_argument(
+        "--print-run",
+        metavar="RUN",
+        help="print the Markdown tables of a recorded run of kvlib/results.json and exit",
+    )
     args = ap.parse_args()
+    if args.print_run:
+        print(markdown_tables(results.run(args.print_run)))
+        return
     if args.segments < 1:
         ap.error(f"--segments must be >= 1 (got {args.segments})")
     torch.set_num_threads(args.threads)
@@ -284,27 +350,8 @@ def main() -> None:
                 )
                 best[f"1/{k} {fam}"] = n
 
-    cols = [c for c, _ in columns]
-    head = " | ".join(c.replace("retrieval_", "retrieval @") for c in cols)
-    print(f"\n| budget | family | best row | mean Δ ppl % | {head} | bytes / fp16 |")
-    print("|---|---|---|---|" + "---|" * len(cols) + "---|")
-
-    def accs(r: dict) -> str:
-        return " | ".join(
-            f"{r[c]:.2f} [{r[f'{c}_ci'][0]:.2f}, {r[f'{c}_ci'][1]:.2f}]" for c in cols
-        )
-
-    ref = measured[reference]
-    print(f"| 1 | reference | {reference} | 0 | {accs(ref)} | {ref['fp16_fraction']:.2f} |")
-    for key, n in best.items():
-        budget, fam = key.split(" ", 1)
-        r = measured[n]
-        delta = f"{r['perplexity_delta_pct_mean']:+.2f}" if "perplexity" in r else "n/a"
-        print(f"| {budget} | {fam} | {n} | {delta} | {accs(r)} | {fraction(r):.3f} |")
     log(f"total {time.perf_counter() - t_start:.0f} s")
 
-    if args.no_json:
-        return
     run_entry = {
         "source": "benchmarks/bench_eviction.py",
         "command": " ".join(["python", "benchmarks/bench_eviction.py", *sys.argv[1:]]),
@@ -335,7 +382,9 @@ def main() -> None:
         "best": best,
         "peer": "kvpress 0.5.5 in its own environment: run 'kvpress' (benchmarks/bench_kvpress.py)",
     }
-    log(f"wrote run {args.run_name!r} to {results.record_run(args.run_name, run_entry)}")
+    print(markdown_tables(run_entry))
+    if not args.no_json:
+        log(f"wrote run {args.run_name!r} to {results.record_run(args.run_name, run_entry)}")
 
 
 if __name__ == "__main__":
