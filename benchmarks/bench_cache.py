@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import platform
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
-import transformers
+from _machine import machine
 from tqdm import tqdm
 
 import kvlib
@@ -211,14 +210,10 @@ def main() -> None:
             segments[n].append(100 * (ppl[n] / ppl[reference] - 1))
         log(f"segment {i + 1}: done")
 
-    machine = (
-        f"{platform.processor() or platform.machine()}, 2-core CPU, no GPU, shared; torch "
-        f"{torch.__version__}, transformers {transformers.__version__}, "
-        f"{args.threads} torch threads"
-    )
+    where = machine(args.threads)
     date = datetime.date.today().isoformat()
     cmd = "python benchmarks/bench_cache.py " + " ".join(sys.argv[1:])
-    print(f"\nCommand: `{cmd}`; {tokens} tokens, chunk {chunk}; {machine}; {date}\n")
+    print(f"\nCommand: `{cmd}`; {tokens} tokens, chunk {chunk}; {where}; {date}\n")
     print(
         "| cache | perplexity | Δ vs fp32 % | bytes/token | × smaller than fp16 | "
         "× at 4096 tok | wall s | target | PASS/FAIL |"
@@ -278,7 +273,7 @@ def main() -> None:
             "source": "benchmarks/bench_cache.py",
             "command": cmd,
             "date": date,
-            "machine": machine,
+            "machine": where,
             "model": "SmolLM2-135M",
             "settings": {
                 "tokens": tokens,

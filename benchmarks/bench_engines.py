@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
 import sys
 import warnings
 
 import numpy as np
 import torch
+from _machine import machine
 from _timing import measure
 from tqdm import tqdm
 
@@ -161,15 +161,12 @@ def main() -> None:
         del llm
 
     ref = pair_name("f16", "f16")
-    machine = (
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()}-thread CPU, "
-        f"no GPU, shared; llama-cpp-python {llama_cpp.__version__}"
-    )
+    where = f"{machine(args.threads)}, llama-cpp-python {llama_cpp.__version__}"
     date = datetime.datetime.now(datetime.UTC).date().isoformat()
     cmd = "python " + " ".join(["benchmarks/bench_engines.py", *sys.argv[1:]])
     fp16 = kv_cache_bytes(spec_from_config(model.config), 1, 1, 16)
     rows = {}
-    print(f"\nCommand: `{cmd}`; {n_seg} × {tokens} tokens, chunks of {CHUNK}; {machine}; {date}\n")
+    print(f"\nCommand: `{cmd}`; {n_seg} × {tokens} tokens, chunks of {CHUNK}; {where}; {date}\n")
     print(
         "| cache type (K/V) | bits (K, V) | bytes/token | x smaller than f16 | mean delta (%) | segments (%) | decode tok/s | slowdown vs f16 |"
     )
@@ -202,7 +199,7 @@ def main() -> None:
             "source": "benchmarks/bench_engines.py",
             "command": cmd,
             "date": date,
-            "machine": machine,
+            "machine": where,
             "model": "SmolLM2-135M (Q4_1 GGUF weights, llama.cpp)",
             "settings": {
                 "engine": "llama.cpp",

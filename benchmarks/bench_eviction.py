@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import re
 import statistics
 import sys
@@ -46,6 +45,7 @@ from fractions import Fraction
 
 import torch
 import transformers
+from _machine import machine
 
 import kvlib
 from kvlib import cache_registry, eviction, kvtc, pca, quality, results, retrieval
@@ -355,7 +355,7 @@ def main() -> None:
     run_entry = {
         "source": "benchmarks/bench_eviction.py",
         "command": " ".join(["python", "benchmarks/bench_eviction.py", *sys.argv[1:]]),
-        "machine": f"{platform.machine()} {platform.processor() or ''}, {args.threads} threads".strip(),
+        "machine": machine(args.threads),
         "model": "SmolLM2-135M-Instruct (bundled)",
         "settings": {
             "tokens": tokens,

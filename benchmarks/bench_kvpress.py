@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -176,6 +175,7 @@ def main() -> None:
     import random
 
     import torch
+    from _machine import machine
 
     import kvlib
     from kvlib import results, retrieval
@@ -249,7 +249,7 @@ def main() -> None:
     entry = {
         "source": "benchmarks/bench_kvpress.py",
         "command": " ".join(["python", "benchmarks/bench_kvpress.py", *sys.argv[1:]]),
-        "machine": f"{platform.machine()} {platform.processor() or ''}, {args.threads} threads".strip(),
+        "machine": machine(args.threads),
         "model": "SmolLM2-135M-Instruct (bundled)",
         "settings": {
             "context_tokens": args.context,

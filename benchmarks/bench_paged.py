@@ -26,13 +26,10 @@ included, ``benchmarks/_timing.py``). A tqdm progress bar on stderr follows the 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import subprocess
 import sys
-from importlib import metadata
 
 import torch
+from _machine import machine
 from _timing import measure
 from tqdm import tqdm
 
@@ -227,28 +224,6 @@ def bench_generation(new_tokens: int, min_run_time: float) -> dict[str, dict]:
         name: {"ms_per_new_token": round(ms, 1), "same_tokens_as_dynamiccache": same}
         for name, ms, same in rows
     }
-
-
-def machine(threads: int) -> str:
-    """The machine, for the results file: CPU, cores, GPU, torch threads, library versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        cpu = next(
-            (ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")),
-            cpu,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    try:
-        tf = f", transformers {metadata.version('transformers')}"
-    except metadata.PackageNotFoundError:
-        tf = ""
-    return (
-        f"{cpu}, {os.cpu_count()} CPUs, {gpu}, {threads} torch "
-        f"thread{'s' if threads != 1 else ''}; torch {torch.__version__}{tf}"
-    )
 
 
 def main() -> None:

@@ -26,13 +26,12 @@ skip calibration; ``--refit`` fits them again and reports the fit time.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 
 import torch
 import transformers
+from _machine import cpu_model, machine
 from _timing import median_seconds
 from tqdm import tqdm
 
@@ -159,7 +158,7 @@ def main() -> None:
     print(
         f"\nprefix {prefix_len} tokens ({fp16 / 1e6:.2f} MB fp16), {next_len} scored tokens, "
         f"reference perplexity {ref:.3f}; torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, {platform.processor() or platform.machine()}\n"
+        f"{transformers.__version__}, {cpu_model()}\n"
     )
     print(
         "| method | compression vs fp16 | perplexity | Δ ppl | encode s | decode s | MSE predicted / measured |"
@@ -199,11 +198,7 @@ def main() -> None:
         entry = {
             "source": "benchmarks/bench_pca.py",
             "command": "python benchmarks/bench_pca.py " + " ".join(sys.argv[1:]),
-            "machine": (
-                f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                f"1 torch thread; torch {torch.__version__}, transformers "
-                f"{transformers.__version__}"
-            ),
+            "machine": machine(),
             "model": "SmolLM2-135M",
             "settings": {
                 "prefix_tokens": prefix_len,

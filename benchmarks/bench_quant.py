@@ -29,15 +29,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
-import platform
-import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
-from importlib import metadata
 
 import torch
+from _machine import cpu_model, machine
 from _timing import median_seconds
 from tqdm import tqdm
 
@@ -127,31 +124,6 @@ def bench_hqq(x: torch.Tensor, bits: int, min_run_time: float, optimize: bool) -
     name = "HQQ (optimize=True)" if optimize else "HQQ (RTN)"
     bpe = 8 * nbytes(w_q, meta["scale"], meta["zero"]) / x.numel()
     return Row(name, bits, tq, td, bpe, rel_rmse(Quantizer.dequantize(w_q, meta), w))
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def machine() -> str:
-    """The machine, for the results file: CPU, cores, GPU, torch threads, library versions."""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    threads = torch.get_num_threads()
-    try:
-        tf = f", transformers {metadata.version('transformers')}"
-    except metadata.PackageNotFoundError:
-        tf = ""
-    return (
-        f"{cpu_model()}, {os.cpu_count()} CPUs, {gpu}, {threads} torch "
-        f"thread{'s' if threads != 1 else ''}; torch {torch.__version__}{tf}"
-    )
 
 
 def json_rows(rows: list[Row], gb: float, t_clone: float) -> dict[str, dict]:

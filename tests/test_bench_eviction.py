@@ -4,6 +4,7 @@ RESULTS.md quotes), with and without several perplexity segments."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,13 @@ BENCH = ROOT / "benchmarks" / "bench_eviction.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_eviction", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(BENCH.parent))  # the script imports its neighbour ``_machine``
+    try:
+        spec = importlib.util.spec_from_file_location("bench_eviction", BENCH)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH.parent))
     return module
 
 
