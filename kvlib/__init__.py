@@ -23,6 +23,7 @@ module                what it holds                                             
 ``kernels``           a fused Triton decode-attention kernel over packed codes        09
 ``fused_attention``   routing transformers' attention to that kernel                  09
 ``queries``           the attention queries a forward pass computes (eviction hooks)  10
+``engine_support``    which KV types vLLM and llama.cpp run where, read from sources  08
 *techniques*
 ``recipes``           KV quantization recipes (KIVI layout, rotation, windows)        02, 03
 ``capture``           capturing a real model's Q/K/V, attention-output error          02, 03
@@ -78,6 +79,7 @@ _SUBMODULES = (
     "compat",
     "data",
     "device",
+    "engine_support",
     "engines",
     "eviction",
     "eviction_scores",

@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--gpu", help=f"a GPU by name: {', '.join(memory.GPUS)}")
     pl.add_argument("--context", required=True, type=_size, help="tokens per sequence, e.g. 32k")
     pl.add_argument("--concurrency", type=_positive_int, default=1, help="sequences at once")
+    pl.add_argument(
+        "--typical-context",
+        type=_size,
+        metavar="TOKENS",
+        help="tokens most conversations reach (sizes vLLM's --max-num-seqs; the plan still "
+        "guarantees --context)",
+    )
     pl.add_argument("--quality", choices=QUALITIES, default="balanced")
     pl.add_argument("--weight-bits", type=int, choices=WEIGHT_BITS, default=16)
     pl.add_argument("--num-gpus", type=_positive_int, default=1, help="tensor-parallel GPUs")
@@ -295,6 +302,7 @@ def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
         weight_bits=args.weight_bits,
         num_gpus=args.num_gpus,
         device=args.device,
+        typical_context=args.typical_context,
         results=args.results,
     )
     lines = [p.summary()]

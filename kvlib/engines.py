@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvlib import cache_registry
+from kvlib import cache_registry, engine_support
 from kvlib import results as kvresults
 from kvlib.memory import GROUP_META_BITS
 
@@ -61,8 +61,11 @@ __all__ = [
     "accepts",
     "candidates",
     "kv_type",
+    "measured_cost",
     "measured_llama_cpp",
+    "measured_vllm",
     "planned",
+    "runs_well",
 ]
 
 #: The engines a plan gives settings for, in the order plans list them.
@@ -247,14 +250,62 @@ def measured_llama_cpp(results: Mapping[str, Any] | None = None) -> dict[str, fl
     return out
 
 
-def candidates(engine: str, level: str, results: Mapping[str, Any] | None = None) -> list[EngineKV]:
-    """The types the planner may use for ``engine`` at ``level``, preferred first.
+def measured_vllm(results: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """vLLM KV dtypes measured by ``benchmarks/bench_vllm.py`` (run ``"vllm"``) → mean
+    perplexity delta (%) against vLLM's own ``auto`` cache, keyed by vLLM's dtype names. Rows
+    the run marks as not computed correctly (``"computes_correctly": false``: dtypes the CPU
+    build accepts but does not compute) are left out. Empty without such a run."""
+    rows = kvresults.run("vllm", results).get("rows", {})
+    out: dict[str, float] = {}
+    for name, row in rows.items() if isinstance(rows, Mapping) else ():
+        if not isinstance(row, Mapping) or row.get("computes_correctly") is False:
+            continue
+        delta = row.get("perplexity_delta_pct_mean")
+        if isinstance(delta, (int, float)) and accepts("vllm", name):
+            out[name] = float(delta)
+    return out
+
+
+def measured_cost(t: EngineKV, results: Mapping[str, Any] | None = None) -> float | None:
+    """The measured perplexity cost (%) of ``t`` on its own engine, against that engine's own
+    full-precision cache: 0 for the full-precision types themselves; llama.cpp's and vLLM's
+    types from their runs (:func:`measured_llama_cpp`, :func:`measured_vllm`); kvlib's caches
+    from the cache benchmark (mean over segments where measured). None where not measured."""
+    if t.level == "fp16":
+        return 0.0
+    if t.engine == "llama.cpp":
+        return measured_llama_cpp(results).get(t.name)
+    if t.engine == "vllm":
+        return measured_vllm(results).get(t.name)
+    cost = kvresults.cache_cost(t.name, results)
+    value = cost.get("perplexity_delta_pct_mean", cost.get("perplexity_delta_pct"))
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def runs_well(t: EngineKV, device: str = "gpu") -> bool:
+    """Whether ``t`` runs at full speed on ``device`` in the engine's default build
+    (:mod:`kvlib.engine_support`, read from the engines' sources): on a GPU, llama.cpp's
+    flash-attention kernels of its default CUDA build (``f16``, ``bf16``, ``q8_0`` and ``q4_0``,
+    keys and values of one type: other pairs are converted to f16 at every step unless built with
+    ``GGML_CUDA_FA_QUANTS``, and ``iq4_nl`` runs attention on the CPU) and vLLM's CUDA
+    backends; on a CPU, every llama.cpp type. transformers runs kvlib's caches anywhere."""
+    if t.engine == "llama.cpp" and device == "gpu":
+        return engine_support.llama_cpp_cuda_path(*t.cache_types) == "native"
+    if t.engine == "vllm" and device == "gpu":
+        return engine_support.vllm_dtype(t.name).runs_on_cuda
+    return True
+
+
+def candidates(
+    engine: str, level: str, results: Mapping[str, Any] | None = None, device: str = "gpu"
+) -> list[EngineKV]:
+    """The types the planner may use for ``engine`` at ``level`` on ``device``, preferred first.
 
     One type (:func:`planned`) everywhere but llama.cpp's int4 level: with llama.cpp's
     measurements in ``results``, every measured type that stores less than q8_0 and no less than
-    q4_0, best measured quality first (smaller first on a tie), and q4_0 last if it was not
-    measured; without them, q4_0 alone. A level
-    the engine does not run gives ``[]``.
+    q4_0 and that :func:`runs_well` on ``device``, best measured quality first (smaller first on
+    a tie), and q4_0 last if it was not measured; without them, q4_0 alone. A level the engine
+    does not run gives ``[]``.
     """
     base = planned(engine).get(level)
     if base is None:
@@ -266,7 +317,7 @@ def candidates(engine: str, level: str, results: Mapping[str, Any] | None = None
     pool = [
         t
         for t in KV_TYPES
-        if t.engine == "llama.cpp" and t.name in measured
+        if t.engine == "llama.cpp" and t.name in measured and runs_well(t, device)
         and base.effective_bits <= t.effective_bits < top
     ]  # fmt: skip
     if base not in pool:  # the level's smallest type stays offered, measured or not

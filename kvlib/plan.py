@@ -164,6 +164,7 @@ def recommend(
     num_gpus: int = 1,
     *,
     device: str = "gpu",
+    typical_context: int | None = None,
     results: Mapping[str, Any] | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Recommend a KV-cache configuration (rules: :mod:`kvlib.plan_rule`).
@@ -181,6 +182,10 @@ def recommend(
         weight_bits: 16, 8 or 4.
         num_gpus: GPUs used with tensor parallelism (must divide the model's attention heads).
         device: ``"gpu"`` or ``"cpu"`` (RAM, llama.cpp, one device).
+        typical_context: the tokens most conversations reach (1 … ``context_len``), when known.
+            The plan still guarantees ``context_len`` for the sequences it counts; a paged
+            engine (vLLM) admits as many as fit at this length (its ``max_num_seqs``). None:
+            not said, and vLLM's ``max_num_seqs`` is the requested concurrency.
         results: measured results to cite: a dict in the :mod:`kvlib.results` layout, a
             path to such a file, or None for the default file (``$KVLIB_RESULTS``, else
             the package's); ``{}`` cites none.
@@ -214,6 +219,13 @@ def recommend(
             f"num_gpus={num_gpus} cannot split {name}'s {spec.num_heads} attention heads evenly "
             f"(tensor parallelism needs a divisor of {spec.num_heads})"
         )
+    if typical_context is not None:
+        typical_context = check_int(typical_context, "typical_context", minimum=1)
+        if typical_context > context_len:
+            raise ValueError(
+                f"typical_context ({typical_context:,}) must be at most context_len "
+                f"({context_len:,}): it is the length most conversations reach"
+            )
     cited = plan_text.results_to_cite(results)
 
     d = plan_rule.decide(
@@ -227,6 +239,7 @@ def recommend(
         device=device,
         model=name,
         results=cited,
+        typical_context=typical_context,
     )
     would_fit = plan_text.suggestions(d, plan_fallbacks.fallbacks(d), cited) if not d.fits else ()
     return Plan(

@@ -13,10 +13,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlib import engines
-from kvlib.plan_rule import HEADROOM_FRACTION, VLLM_BLOCK_SIZE, Decision, EngineOption
+from kvlib import engines, plan_rule
+from kvlib.plan_rule import Decision, EngineOption
 
-__all__ = ["commands", "llama_cpp_flags", "transformers_kwargs", "vllm_args"]
+__all__ = [
+    "GGUF_WEIGHTS",
+    "VLLM_QUANTIZATION",
+    "checkpoint",
+    "commands",
+    "llama_cpp_flags",
+    "transformers_kwargs",
+    "vllm_args",
+    "vllm_max_num_seqs",
+]
+
+#: vLLM's ``--quantization`` for the plan's weight bits: ``fp8`` quantizes a 16-bit checkpoint
+#: while loading it (W8A8 on GPUs of compute capability 8.9 and later, weight-only through
+#: Marlin kernels on 8.0-8.6); ``awq_marlin`` runs an AWQ int4 checkpoint with the Marlin
+#: kernels (compute capability 8.0 and later; vLLM picks it for an AWQ checkpoint by itself).
+VLLM_QUANTIZATION: dict[int, str] = {8: "fp8", 4: "awq_marlin"}
+#: The GGUF weight type llama.cpp loads for the plan's weight bits (``-m``): Q8_0 is 8.5 bits
+#: per weight, Q4_K_M about 4.9 (the plan prices 4-bit weights at AWQ's 4.16, see
+#: :data:`kvlib.plan_rule.QUANTIZED_WEIGHT_BITS`).
+GGUF_WEIGHTS: dict[int, str] = {16: "F16", 8: "Q8_0", 4: "Q4_K_M"}
 
 _SEE = "see plan.suggestions"
 
@@ -27,7 +46,8 @@ def _option(d: Decision, engine: str, hint: str) -> EngineOption:
         why = (
             "a CPU plan runs llama.cpp"
             if d.device == "cpu"
-            else "only vLLM splits a model across GPUs (tensor parallelism)"
+            else "transformers' generate() runs one GPU here; vLLM (tensor parallelism) and "
+            "llama.cpp (layer split) serve several"
         )
         raise ValueError(f"no {engine} settings for this plan: {why}")
     if option.kv is None:
@@ -55,28 +75,54 @@ def transformers_kwargs(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
     return {"cache": o.kv_type, "batch_size": o.sequences}
 
 
-def vllm_args(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
-    """Engine arguments for ``vllm.LLM(model, **args)`` / ``vllm serve``.
+def vllm_max_num_seqs(d: Decision) -> int:
+    """vLLM's ``max_num_seqs`` for a plan: the requested concurrency, or, when the request says
+    its typical length, as many as the paged cache admits at that length (at most the
+    concurrency, at least one).
 
-    ``kv_cache_dtype`` is ``auto`` (the model's dtype) or ``fp8`` — vLLM has no 4- or 2-bit KV
-    cache — and ``max_num_seqs`` is what fits at it.
+    vLLM allocates blocks as sequences grow and admits a request while its blocks fit, so the
+    flag is a ceiling on the batch, not a reservation: setting it to the count that fits at
+    the *full* context (the plan's guarantee, :attr:`EngineOption.sequences`) would turn away
+    conversations that fit. Past what memory holds, vLLM preempts the newest sequence and
+    recomputes it later; the plan's reasons state the guarantee.
+    """
+    o = d.options["vllm"]
+    if d.typical_context is None or o.kv_type is None:
+        return d.concurrency
+    t = engines.kv_type("vllm", o.kv_type)
+    admitted = plan_rule.paged_sequences(
+        d.spec, d.budget.kv_budget_bytes, d.typical_context, t.storage, d.tensor_parallel_size
+    )
+    return max(1, min(d.concurrency, admitted))
+
+
+def vllm_args(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
+    """Engine arguments for ``vllm.LLM(model, **args)`` / ``vllm serve``, only those that differ
+    from vLLM's defaults.
+
+    * ``kv_cache_dtype``: the plan's type when it is not ``auto`` (the model's dtype);
+    * ``kv_cache_memory_bytes``: the plan's KV budget per GPU, so that vLLM's cache is the one
+      the plan counted (vLLM then ignores ``gpu_memory_utilization``);
+    * ``max_model_len``: the context; ``max_num_seqs``: :func:`vllm_max_num_seqs`;
+    * ``tensor_parallel_size`` when above 1; ``quantization`` for 8-bit (``fp8``: vLLM
+      quantizes a 16-bit checkpoint as it loads it) and 4-bit weights (``awq_marlin``: an AWQ
+      int4 checkpoint, :func:`checkpoint`).
 
     Raises:
-        ValueError: not one sequence fits even at fp8 (``hint`` says what would), or the plan is
-            for a CPU.
+        ValueError: not one sequence fits at any KV type vLLM runs here (``hint`` says what
+            would), or the plan is for a CPU.
     """
     o = _option(d, "vllm", hint)
-    out: dict[str, Any] = {
-        "kv_cache_dtype": o.kv_type,
-        "block_size": VLLM_BLOCK_SIZE,
-        "max_model_len": d.context_len,
-        "max_num_seqs": o.sequences,
-        "gpu_memory_utilization": round(1.0 - HEADROOM_FRACTION["gpu"], 2),
-        "tensor_parallel_size": d.tensor_parallel_size,
-        "enable_prefix_caching": True,
-    }
-    if d.weight_bits == 8:
-        out["quantization"] = "fp8"
+    out: dict[str, Any] = {}
+    if o.kv_type != "auto":
+        out["kv_cache_dtype"] = o.kv_type
+    out["kv_cache_memory_bytes"] = d.budget.kv_budget_bytes
+    out["max_model_len"] = d.context_len
+    out["max_num_seqs"] = vllm_max_num_seqs(d)
+    if d.tensor_parallel_size > 1:
+        out["tensor_parallel_size"] = d.tensor_parallel_size
+    if d.weight_bits in VLLM_QUANTIZATION:
+        out["quantization"] = VLLM_QUANTIZATION[d.weight_bits]
     return out
 
 
@@ -106,12 +152,26 @@ def llama_cpp_flags(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
     }
 
 
+def checkpoint(d: Decision, engine: str, model_path: str | None = None) -> str:
+    """The weights ``engine`` loads for the plan: ``model_path`` when given; else, for vLLM, the
+    registry model's hub id at 16 and 8 bits (``--quantization fp8`` quantizes it as it loads)
+    and an AWQ int4 checkpoint of it at 4 bits (named as a placeholder,
+    ``<AWQ int4 checkpoint of meta-llama/Llama-3.1-8B>``: vLLM cannot quantize to int4
+    itself); for llama.cpp ``model_path`` if it is a GGUF file, else a GGUF file of
+    :data:`GGUF_WEIGHTS`' type named after it (``Llama-3.1-8B-Q4_K_M.gguf``)."""
+    name = model_path or d.spec.hub_id or d.model
+    if engine == "llama.cpp":
+        if name.endswith(".gguf"):
+            return name
+        return f"{name.rsplit('/', 1)[-1]}-{GGUF_WEIGHTS[d.weight_bits]}.gguf"
+    if model_path:
+        return model_path
+    return f"<AWQ int4 checkpoint of {name}>" if d.weight_bits == 4 else name
+
+
 def commands(d: Decision, model_path: str | None = None) -> dict[str, str]:
     """Command lines (``vllm serve``, ``llama-server``) for each engine that fits at least one
-    sequence, as strings. The model is ``model_path``, else the registry model's hub id, else the
-    plan's model name; llama.cpp gets a GGUF file named after it (``Llama-3.1-8B.gguf``) unless
-    ``model_path`` is one."""
-    name = model_path or d.spec.hub_id or d.model
+    sequence, as strings, loading :func:`checkpoint`'s weights."""
     out: dict[str, str] = {}
     vllm = d.options.get("vllm")
     if vllm is not None and vllm.kv is not None:
@@ -119,10 +179,9 @@ def commands(d: Decision, model_path: str | None = None) -> dict[str, str]:
             f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
             for k, v in vllm_args(d).items()
         )
-        out["vllm"] = f"vllm serve {name} {args}"
+        out["vllm"] = f"vllm serve {checkpoint(d, 'vllm', model_path)} {args}"
     llama = d.options.get("llama.cpp")
     if llama is not None and llama.kv is not None:
-        gguf = name if name.endswith(".gguf") else f"{name.rsplit('/', 1)[-1]}.gguf"
         flags = " ".join(f"{k} {v}" for k, v in llama_cpp_flags(d).items())
-        out["llama.cpp"] = f"llama-server -m {gguf} {flags}"
+        out["llama.cpp"] = f"llama-server -m {checkpoint(d, 'llama.cpp', model_path)} {flags}"
     return out

@@ -9,9 +9,13 @@ in order:
 1. **Budget per device** (per GPU under tensor parallelism), :func:`memory_budget`. Memory is
    counted in GiB (2³⁰ bytes), the unit an "80 GB" GPU, nvidia-smi and vLLM mean::
 
-       usable   = memory × (1 − headroom)          headroom: 10 % on a GPU (vLLM's default
-                                                    gpu_memory_utilization=0.9), 25 % of RAM on CPU
-       weights  = num_params × weight_bits / 8 / tensor_parallel_size
+       usable   = memory × (1 − headroom)          headroom: 10 % on a GPU (vLLM gets the
+                                                    KV budget below as kv_cache_memory_bytes),
+                                                    25 % of RAM on CPU
+       weights  = checkpoint bytes / tensor_parallel_size   16-bit; or, for 8-/4-bit
+                                                    weights, embedding and head at 16 bits and
+                                                    the rest at 8 / 4.16 bits (FP8; AWQ/GPTQ
+                                                    int4, group 128), QUANTIZED_WEIGHT_BITS
        overhead = runtime + activations            runtime: 1 GiB per GPU (CUDA context, kernel
                                                     workspaces, allocator slack), 0.5 GiB on CPU;
                                                     activations: one 2048-token prefill chunk ×
@@ -19,7 +23,8 @@ in order:
        KV budget = usable − weights − overhead
 
 2. **Engine**, :func:`choose_engine`: the engines that suit the traffic, in order
-   (:func:`engine_candidates`): several GPUs → vLLM (tensor parallelism); several sequences on
+   (:func:`engine_candidates`): several GPUs → vLLM (tensor parallelism), then llama.cpp (layer
+   split); several sequences on
    one GPU → vLLM (paged blocks, continuous batching), then llama.cpp (``-np`` slots); one
    sequence on one GPU → transformers with kvlib's cache, then vLLM, then llama.cpp; CPU →
    llama.cpp. Each engine runs only its own KV types (:mod:`kvlib.engines`): vLLM fp16 or fp8,
@@ -75,6 +80,7 @@ __all__ = [
     "IDLE_STORAGE_MIN_SESSIONS",
     "KV_SETTINGS",
     "PREFILL_CHUNK_TOKENS",
+    "QUANTIZED_WEIGHT_BITS",
     "QUALITIES",
     "QUALITY_LADDER",
     "RUNTIME_OVERHEAD_BYTES",
@@ -96,6 +102,7 @@ __all__ = [
     "kv_sequence_bytes",
     "kv_types",
     "memory_budget",
+    "paged_sequences",
     "sequences_by_level",
     "types_by_level",
     "sequences_that_fit",
@@ -106,7 +113,8 @@ QUALITIES = ("max", "balanced", "aggressive")
 WEIGHT_BITS = (16, 8, 4)
 DEVICES = ("gpu", "cpu")
 
-#: Fraction of memory never planned for (vLLM's default ``gpu_memory_utilization`` is 0.9).
+#: Fraction of memory never planned for. (vLLM 0.32's default ``gpu_memory_utilization`` is
+#: 0.92; the plan hands vLLM its own KV budget, ``kv_cache_memory_bytes``, instead.)
 HEADROOM_FRACTION = {"gpu": 0.10, "cpu": 0.25}
 #: Fixed runtime allowance per device: CUDA context, kernel workspaces, allocator slack.
 RUNTIME_OVERHEAD_BYTES = {"gpu": 1 * GIB, "cpu": GIB // 2}
@@ -183,6 +191,7 @@ class MemoryBudget:
     overhead_bytes: int
     kv_budget_bytes: int
     tensor_parallel_size: int = 1
+    device: str = "gpu"
 
     @property
     def usable_bytes(self) -> int:
@@ -199,14 +208,30 @@ class MemoryBudget:
         ]
 
 
+#: Bits per weight of a pre-quantized checkpoint's linear layers, scales included: 8-bit is
+#: FP8 (vLLM ``--quantization fp8``; one scale per output channel, negligible) or GGUF Q8_0
+#: (8.5 bits: a 16-bit scale per 32 weights); 4-bit is int4 in groups of 128 with a 16-bit scale
+#: and a 4-bit zero point each (AWQ, GPTQ: 4 + 20/128), the most compact of the 4-bit formats
+#: the engines load (GGUF's Q4_K_M averages about 4.9 bits). The embedding and the output head
+#: stay at 16 bits in all of them.
+QUANTIZED_WEIGHT_BITS: dict[int, float] = {8: 8.0, 4: 4 + 20 / 128}
+
+
 def _weights_bytes(spec: ModelSpec, weight_bits: int) -> int:
+    """The checkpoint's bytes at ``weight_bits``: every parameter at 16 bits, or, for 8- and
+    4-bit weights, the embedding and output head (:attr:`ModelSpec.embedding_params`) at 16 bits
+    and the rest at :data:`QUANTIZED_WEIGHT_BITS`."""
     if spec.num_params is None:
         raise ValueError(
             f"{spec.name or 'custom model'} has no parameter count: the weights' size is needed "
             "to plan memory — pass spec_from_config(config, num_params=...) or a ModelSpec with "
             "num_params"
         )
-    return spec.weights_bytes(weight_bits)
+    if weight_bits >= 16:
+        return spec.weights_bytes(weight_bits)
+    embed = min(spec.embedding_params, spec.num_params)
+    body = spec.num_params - embed
+    return math.ceil(body * QUANTIZED_WEIGHT_BITS[weight_bits] / 8) + 2 * embed
 
 
 def memory_budget(
@@ -231,6 +256,7 @@ def memory_budget(
         overhead_bytes=overhead,
         kv_budget_bytes=device_bytes - headroom - weights - overhead,
         tensor_parallel_size=tp,
+        device=device,
     )
 
 
@@ -300,6 +326,21 @@ def sequences_that_fit(
     )
 
 
+def paged_sequences(
+    spec: ModelSpec,
+    kv_budget: int,
+    tokens: int,
+    store: Storage,
+    tp: int = 1,
+    block_size: int = VLLM_BLOCK_SIZE,
+) -> int:
+    """Sequences of ``tokens`` tokens a paged engine admits in ``kv_budget`` bytes on each GPU:
+    each holds ``ceil(tokens / block_size)`` whole blocks (notebook 06), and nothing else is
+    reserved, so shorter conversations admit more sequences than the full-context count."""
+    blocks = -(-tokens // block_size)
+    return sequences_that_fit(spec, kv_budget, blocks * block_size, store, tp)
+
+
 def context_that_fits(
     spec: ModelSpec, kv_budget: int, concurrency: int, store: Storage, tp: int = 1
 ) -> int:
@@ -346,13 +387,14 @@ def choose_setting(
 
 def engine_candidates(device: str, concurrency: int, tp: int) -> tuple[str, ...]:
     """The engines that can serve a request, in the order the traffic prefers them: on a CPU
-    llama.cpp; on several GPUs vLLM (tensor parallelism); several sequences on one GPU vLLM (paged
+    llama.cpp; on several GPUs vLLM (tensor parallelism), then llama.cpp (which splits the
+    layers over the GPUs, its default ``--split-mode layer``); several sequences on one GPU vLLM (paged
     blocks, continuous batching), then llama.cpp (``-np`` slots); one sequence on one GPU
     transformers (kvlib's cache in ``generate()``), then vLLM, then llama.cpp."""
     if device == "cpu":
         return ("llama.cpp",)
     if tp > 1:
-        return ("vllm",)
+        return ("vllm", "llama.cpp")
     if concurrency > 1:
         return ("vllm", "llama.cpp")
     return ("transformers", "vllm", "llama.cpp")
@@ -365,13 +407,14 @@ def choose_engine(
     options: Mapping[str, EngineOption] | None = None,
 ) -> str:
     """Rule 2: the first of :func:`engine_candidates` whose KV types hold the whole request
-    (``options[engine].status == "ok"``); if none does, the one that fits the most sequences
-    (the earlier on a tie). Without ``options``, the first candidate."""
+    (:attr:`EngineOption.holds`: every sequence at the full context, or at the request's typical
+    length on a paged engine); if none does, the one that fits the most sequences at the full
+    context (the earlier on a tie). Without ``options``, the first candidate."""
     candidates = engine_candidates(device, concurrency, tp)
     if not options:
         return candidates[0]
     for engine in candidates:
-        if options[engine].status == "ok":
+        if options[engine].holds:
             return engine
     return max(candidates, key=lambda e: (options[e].sequences, -candidates.index(e)))
 
@@ -387,11 +430,16 @@ def idle_storage(concurrency: int, kv: str | None) -> str | None:
 
 
 def _available(device: str, tp: int) -> tuple[str, ...]:
-    """Engines a plan gives settings for: llama.cpp on a CPU, vLLM across GPUs, all three on
-    one GPU."""
+    """Engines a plan gives settings for: llama.cpp on a CPU, vLLM and llama.cpp across GPUs,
+    all three on one GPU.
+
+    Across GPUs llama.cpp's layer split puts ``1/tp`` of the layers, with their whole cache, on
+    each GPU; the plan prices it as vLLM's head split (:func:`gpu_share`), which holds the same
+    bytes per GPU wherever ``tp`` divides the KV heads and the layers, and more (replicated
+    heads) where ``tp`` exceeds the KV heads: conservative for llama.cpp."""
     if device == "cpu":
         return ("llama.cpp",)
-    return ("vllm",) if tp > 1 else engines.ENGINES
+    return ("vllm", "llama.cpp") if tp > 1 else engines.ENGINES
 
 
 def sequences_by_level(
@@ -430,7 +478,11 @@ def types_by_level(
     kv_budget = budget.kv_budget_bytes
     out: dict[str, tuple[EngineKV, int]] = {}
     for level, default in kv_types(engine, spec).items():
-        pool = [t for t in engines.candidates(engine, level, results) if _priced_exactly(t, spec)]
+        pool = [
+            t
+            for t in engines.candidates(engine, level, results, budget.device)
+            if _priced_exactly(t, spec)
+        ]
         fits = [
             (t, sequences_that_fit(spec, kv_budget, context_len, t.storage, tp))
             for t in pool or [default]
@@ -455,6 +507,13 @@ class EngineOption:
         sequences: sequences of the full context that type fits (0 when impossible).
         max_context: longest context at which all requested sequences fit at that type.
         effective_bits: bits per cached value of that type, metadata included.
+        admitted: sequences of the request's typical length the engine keeps at once, at most
+            the concurrency: a paged engine (vLLM) admits by the whole blocks a sequence holds
+            (:func:`paged_sequences`); llama.cpp and transformers reserve the full context for
+            each sequence and admit ``sequences``. Equal to ``sequences`` when the request gives
+            no typical length.
+        holds: every requested sequence is kept at once: all at the full context (``"ok"``),
+            or all at the typical length on a paged engine.
     """
 
     engine: str
@@ -464,6 +523,8 @@ class EngineOption:
     sequences: int
     max_context: int
     effective_bits: float | None
+    admitted: int = 0
+    holds: bool = False
 
 
 def _option(
@@ -475,6 +536,7 @@ def _option(
     tp: int,
     engine: str,
     results: Mapping[str, Any] | None = None,
+    typical_context: int | None = None,
 ) -> EngineOption:
     chosen = types_by_level(spec, budget, context_len, concurrency, tp, engine, results)
     fits = {level: n for level, (_, n) in chosen.items()}
@@ -482,14 +544,21 @@ def _option(
     if kv is None:
         return EngineOption(engine, None, None, status, 0, 0, None)
     t = chosen[kv][0]
+    sequences = min(concurrency, fits[kv])
+    admitted = sequences
+    if engine == "vllm" and typical_context is not None:
+        at_typical = paged_sequences(spec, budget.kv_budget_bytes, typical_context, t.storage, tp)
+        admitted = max(sequences, min(concurrency, at_typical))
     return EngineOption(
         engine=engine,
         kv=kv,
         kv_type=t.name,
         status=status,
-        sequences=min(concurrency, fits[kv]),
+        sequences=sequences,
         max_context=context_that_fits(spec, budget.kv_budget_bytes, concurrency, t.storage, tp),
         effective_bits=t.effective_bits,
+        admitted=admitted,
+        holds=status == "ok" or admitted >= concurrency,
     )
 
 
@@ -507,7 +576,9 @@ class Decision:
     level (``"fp8"`` on vLLM, ``"q4_0"`` on llama.cpp, ``"kvlib-int4"`` on transformers); every
     count is at that type's bytes. ``sequences_by_setting``: sequences each level the engine runs
     fits at the full context. ``options``: the same rule for every engine
-    (:class:`EngineOption`), so each engine's settings carry their own counts. ``eviction``:
+    (:class:`EngineOption`), so each engine's settings carry their own counts.
+    ``typical_context``: the length most conversations reach, when the request says it (a paged
+    engine admits sequences by what they hold, :func:`paged_sequences`). ``eviction``:
     the token-eviction budget that would hold the whole request when it does not fit (rule 5),
     else None — never the plan's setting.
     """
@@ -541,6 +612,7 @@ class Decision:
         default_factory=dict, repr=False, compare=False
     )
     eviction: EvictionOption | None = field(default=None, repr=False, compare=False)
+    typical_context: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -579,19 +651,22 @@ def decide(
     device: str = "gpu",
     model: str | None = None,
     results: Mapping[str, Any] | None = None,
+    typical_context: int | None = None,
 ) -> Decision:
     """Rules 1–4 for a request that is already valid (:func:`kvlib.plan.recommend` checks it).
 
     ``gpu_memory_gb`` is GiB per device; ``num_gpus`` is the tensor-parallel size; ``model`` is
     the name to show (default: the spec's); ``results`` holds the measurements that choose
     among an engine's types at one level (:func:`types_by_level`; ``None``: none, so each level
-    has its one default type — :func:`kvlib.plan.recommend` passes the results it cites).
+    has its one default type — :func:`kvlib.plan.recommend` passes the results it cites);
+    ``typical_context`` (tokens, at most ``context_len``) sizes a paged engine's admission
+    (:func:`kvlib.plan_engines.vllm_max_num_seqs`), not the guarantee.
     """
     results = {} if results is None else results
     tp = num_gpus
     budget = memory_budget(spec, device, gpu_memory_gb, weight_bits, tp)
     options = {
-        e: _option(spec, budget, context_len, concurrency, quality, tp, e, results)
+        e: _option(spec, budget, context_len, concurrency, quality, tp, e, results, typical_context)
         for e in engines.ENGINES
         if e in _available(device, tp)
     }
@@ -632,4 +707,5 @@ def decide(
         options=options,
         types_by_setting=types,
         eviction=eviction_option(spec, kv_budget, fp16_bytes, concurrency, status, tp),
+        typical_context=typical_context,
     )

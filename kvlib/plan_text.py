@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kvlib import engines, memory
+from kvlib import engine_support, engines, memory, plan_rule
 from kvlib import results as kvresults
 from kvlib.engines import EngineKV
 from kvlib.plan_fallbacks import Fallbacks
@@ -31,7 +31,9 @@ from kvlib.plan_rule import (
 
 __all__ = [
     "alternatives",
+    "NOISE_PCT",
     "buys",
+    "dominating",
     "eviction_note",
     "fmt_tokens",
     "quality_note",
@@ -104,7 +106,7 @@ def quality_note(
         return (
             f"pca: {min(ratios):.3g}–{max(ratios):.3g}× smaller than fp16 at "
             f"{_fmt_pct(min(deltas))} … {_fmt_pct(max(deltas))} perplexity "
-            f"{kvresults.provenance(run)}"
+            f"{kvresults.citation(run)}"
         )
     if setting not in KV_SETTINGS:
         raise ValueError(
@@ -132,7 +134,7 @@ def quality_note(
     head = name if label == name else f"{label or setting} ({name})"
     if not parts:
         return f"{head}: quality cost not measured yet (benchmarks/bench_cache.py)"
-    return f"{head}: {', '.join(parts)} {kvresults.provenance(run)}"
+    return f"{head}: {', '.join(parts)} {kvresults.citation(run)}"
 
 
 def fmt_tokens(n: int) -> str:
@@ -196,7 +198,7 @@ def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
     if d.engine == "transformers" and d.kv in ("int4", "int2"):
         rot = kvresults.cache_cost(f"kvlib-{d.kv}-rot", results)
         plain = kvresults.cache_cost(f"kvlib-{d.kv}", results)
-        where = kvresults.provenance(kvresults.run("cache", results))
+        where = kvresults.citation(kvresults.run("cache", results))
         head = f"{d.kv} with a Hadamard rotation (kvlib-{d.kv}-rot): "
         seg_r, seg_p = _segments(rot), _segments(plain)
         if seg_r and seg_p:
@@ -230,7 +232,7 @@ def _llama_cpp_note(t: EngineKV, measured: Mapping[str, float], results: Mapping
         and t.effective_bits < engines.kv_type("llama.cpp", "q8_0").effective_bits
     ):
         line += f"; {base}, the level's smallest type, {_fmt_pct(measured[base])}"
-    return line + f" ({kvresults.provenance(run)})"
+    return line + f" ({kvresults.citation(run)})"
 
 
 def _segments(cost: Mapping[str, Any]) -> list[float]:
@@ -250,13 +252,15 @@ def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
             f"{VLLM_BLOCK_SIZE} tokens wastes under 4 % of the cache instead of reserving "
             "max-length buffers, batches continuously"
             + (f", and splits the model over {tp} GPUs (tensor parallelism)" if tp > 1 else "")
-            + "; its KV cache goes down to fp8 (no 4- or 2-bit type)"
+            + "; the plan keeps its KV cache at auto or fp8, "
+            + _vllm_unmeasured()
         ]
     elif d.engine == "llama.cpp" and d.device == "cpu":
         out = ["CPU: llama.cpp (GGUF weights, KV cache types f16, q8_0, q4_0, flash attention)"]
     elif d.engine == "llama.cpp":
+        where = f"over {tp} GPUs (its default layer split)" if tp > 1 else "on one GPU"
         out = [
-            f"several sequences on one GPU: llama.cpp serves them in {d.num_sequences} "
+            f"several sequences {where}: llama.cpp serves them in {d.num_sequences} "
             "parallel slots (-np), each reserving its full context (no paging); its KV types go "
             "down to q4_0"
         ]
@@ -287,6 +291,87 @@ def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
     return out
 
 
+#: Perplexity differences (percentage points) below this are noise, not a better type: the
+#: spread of a mean over four 2,048-token segments (one segment alone moves by about ±0.2).
+NOISE_PCT = 0.1
+
+
+def dominating(d: Decision, results: Mapping[str, Any]) -> list[EngineKV]:
+    """Measured KV types of the plan's engines that beat the chosen one on both counts: no more
+    bits per value and a measured perplexity cost (:func:`kvlib.engines.measured_cost`) lower
+    by more than :data:`NOISE_PCT`, among the levels the quality allows and the types each
+    engine runs for this model here (:func:`kvlib.plan_rule.kv_types`, with llama.cpp's
+    measured candidates). Best first (lowest cost, then fewest bits)."""
+    t = d.kv_storage
+    own = engines.measured_cost(t, results) if t is not None else None
+    if t is None or own is None:
+        return []
+    allowed = QUALITY_LADDER[d.quality]
+    out = []
+    for engine in d.options:
+        for level in plan_rule.kv_types(engine, d.spec):
+            if level not in allowed:
+                continue
+            for u in engines.candidates(engine, level, results):
+                cost = engines.measured_cost(u, results)
+                if u == t or cost is None or u.effective_bits > t.effective_bits:
+                    continue
+                if cost < own - NOISE_PCT:
+                    out.append((cost, u.effective_bits, u))
+    return [u for _, _, u in sorted(out, key=lambda x: (x[0], x[1]))]
+
+
+#: Why the plan's engine serves a request that another engine's better-measured type could hold.
+_ENGINE_ROLE = {
+    "transformers": "transformers' generate() runs one fixed batch, with no continuous batching "
+    "or paging",
+    "vllm": "vLLM serves several sequences with continuous batching and paged blocks",
+    "llama.cpp": "llama.cpp serves them in parallel slots",
+}
+
+
+def _why_not(d: Decision, u: EngineKV, results: Mapping[str, Any]) -> str:
+    t = d.kv_storage
+    assert t is not None
+    cu, ct = engines.measured_cost(u, results), engines.measured_cost(t, results)
+    o = d.options[u.engine]
+    head = (
+        f"{u.name} on {u.engine} would store {u.effective_bits:g} bits per value (against "
+        f"{t.effective_bits:g}) at a lower measured cost ({_fmt_pct(cu or 0)} against "
+        f"{_fmt_pct(ct or 0)} perplexity, each against its own engine's 16-bit cache on a small "
+        "model, so the two compare only roughly)"
+    )
+    if u.engine == d.engine:
+        why = "it takes the highest precision level that holds the request"
+    elif o.status != "ok":
+        why = f"{u.engine} does not hold the whole request ({o.sequences} of {d.concurrency} fit)"
+    else:
+        traffic = (
+            f"{d.tensor_parallel_size} GPUs"
+            if d.tensor_parallel_size > 1
+            else f"{d.concurrency} concurrent sequences"
+        )
+        why = f"for {traffic} {_ENGINE_ROLE[d.engine]}, and {_ENGINE_ROLE[u.engine]}"
+    return f"{head}; the plan keeps {t.name} on {d.engine}: {why}"
+
+
+def _vllm_unmeasured() -> str:
+    """vLLM's other KV dtypes, from :mod:`kvlib.engine_support`, and why the plan does not use
+    them."""
+    others = [
+        n
+        for n in engine_support.vllm_kv_dtypes()
+        if engine_support.vllm_dtype(n).runs_on_cuda
+        and not engines.accepts("vllm", n)
+        and n not in ("float16", "bfloat16")
+    ]
+    return (
+        f"the measured ones: vLLM {engine_support.source('vllm').split(':')[0].split()[-1]} also accepts "
+        f"{', '.join(others)} on GPUs (kvlib.engine_support), none measured here — its CPU "
+        "build accepts them but does not compute them correctly"
+    )  # (the 16-bit names restate auto)
+
+
 def reasons(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     """Why the plan chose what it chose: the budget against the need, the measured cost, the
     shortfall when reduced, the engine and idle storage."""
@@ -298,6 +383,9 @@ def reasons(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
             f"{d.sequences_by_setting[d.lowest_setting]} of {d.concurrency} sequences fit at "
             "the full context"
         )
+    better = dominating(d, results)
+    if better:
+        out.append(_why_not(d, better[0], results))
     return tuple(out + _why_engine(d, results))
 
 
@@ -345,10 +433,20 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
             + ")"
         )
     if d.paging:
-        out.append(
-            "the count assumes every sequence at full context; with shorter real conversations a "
-            "paged engine admits more — measure your length distribution"
-        )
+        o = d.options["vllm"]
+        if d.typical_context is None:
+            out.append(
+                f"{o.sequences} of {d.concurrency} sequences fit at the full context at once (the "
+                "guarantee); vLLM admits more when conversations are shorter and preempts the "
+                "newest when blocks run out — give the typical length (typical_context) to "
+                "size max_num_seqs"
+            )
+        else:
+            out.append(
+                f"{o.sequences} of {d.concurrency} sequences fit at the full context at once (the "
+                f"guarantee); at the typical {d.typical_context:,} tokens the paged cache admits "
+                f"{o.admitted}; past that vLLM preempts the newest sequence and recomputes it"
+            )
     if d.eviction is not None:
         out.append(
             "token eviction by engine — "
@@ -390,7 +488,10 @@ def suggestions(
     if d.device == "gpu" and d.gpu_memory_gb > 0:
         if fb.num_gpus:
             g, kv = fb.num_gpus
-            out.append(f"num_gpus={g} (vLLM tensor_parallel_size={g}): the whole request with {kv}")
+            out.append(
+                f"num_gpus={g} (vLLM tensor_parallel_size={g}, or llama.cpp's layer split): the "
+                f"whole request with {kv}"
+            )
         else:
             out.append(
                 f"more than {TP_CANDIDATES[-1]} GPUs: pipeline parallelism across nodes "
@@ -471,7 +572,7 @@ def eviction_note(d: Decision, results: Mapping[str, Any]) -> str | None:
     if name is not None:
         what = (
             f"kvlib's {name.split('@')[0]} at {where} ({o.engine} + kvlib's cache; "
-            f"{kvresults.provenance(run)}: {_eviction_figures(run, name)})"
+            f"{kvresults.citation(run)}: {_eviction_figures(run, name)})"
         )
     else:
         cache = "evict-<policy>" + ("-int4" if "eviction+int4" in families else "")
@@ -546,7 +647,12 @@ def summary(
             + (" with its scales" if d.kv_storage.effective_bits != d.kv_storage.bits else "")
             + (", paged" if d.paging else "")
             + (", idle conversations stored with PCA" if d.idle_storage else "")
-            + (f", tensor parallel {d.tensor_parallel_size}" if d.tensor_parallel_size > 1 else "")
+            + (
+                f", split over {d.tensor_parallel_size} GPUs"
+                + (" (tensor parallel)" if d.engine == "vllm" else " (layers)")
+                if d.tensor_parallel_size > 1
+                else ""
+            )
         )
     lines.append("budget per device: " + ", ".join(f"{k} {h(v)}" for k, v in d.budget.rows()))
     if d.kv:

@@ -39,6 +39,7 @@ __all__ = [
     "cache_cost",
     "cache_costs",
     "load_results",
+    "citation",
     "provenance",
     "record_run",
     "results_path",
@@ -172,6 +173,43 @@ def provenance(entry: Mapping[str, Any]) -> str:
     names no model, e.g. kernels timed on a tensor)."""
     where = f"on {entry['model']}, " if entry.get("model") else ""
     return f"{where}measured {entry.get('date', '?')} by {entry.get('source', '?')}"
+
+
+#: The engine that ran each benchmark, for runs that do not name one (``entry["engine"]``).
+_ENGINES_BY_SOURCE: dict[str, str] = {
+    "benchmarks/bench_cache.py": "transformers",
+    "benchmarks/bench_pca.py": "transformers",
+    "benchmarks/bench_eviction.py": "transformers",
+    "benchmarks/bench_kvpress.py": "transformers + kvpress",
+    "benchmarks/bench_engines.py": "llama.cpp",
+    "benchmarks/bench_vllm.py": "vLLM",
+}
+
+
+def _device(machine: str) -> str:
+    """A run's device in a few words, from its ``machine`` field: ``"CPU (Intel Xeon)"``."""
+    if "gpu" in machine.lower() and "no gpu" not in machine.lower():
+        return machine.split(";")[0].split(",")[0].strip() or "GPU"
+    cpu = machine.split(",")[0].strip()
+    return f"CPU ({cpu})" if cpu and cpu != "x86_64" and "CPU" not in cpu else "CPU"
+
+
+def citation(entry: Mapping[str, Any]) -> str:
+    """What a cited figure was measured on: ``"on SmolLM2-135M with llama.cpp on a CPU (Intel
+    Xeon), measured 2026-12-03 by benchmarks/bench_engines.py"``: the model, the engine (the
+    run's ``engine``, else the benchmark's, :data:`_ENGINES_BY_SOURCE`) and the device (read
+    from ``machine``), so that a plan never quotes a figure without them. Parts a run does not
+    say are left out."""
+    source = str(entry.get("source", "?"))
+    engine = entry.get("engine") or _ENGINES_BY_SOURCE.get(source)
+    machine = entry.get("machine")
+    parts = [f"on {entry['model']}"] if entry.get("model") else []
+    if engine:
+        parts.append(f"with {engine}")
+    if isinstance(machine, str) and machine:
+        parts.append(f"on a {_device(machine)}")
+    parts.append(f"measured {entry.get('date', '?')} by {source}")
+    return (" ".join(parts[:-1]) + ", " if len(parts) > 1 else "") + parts[-1]
 
 
 def record_run(

@@ -83,6 +83,9 @@ class ModelSpec:
         vocab_size, hidden_size, max_position_embeddings: optional context facts.
         value_head_dim: size of one value vector when it differs from the key's ``head_dim``
             (DeepSeek's keys are 192 wide, 128 + 64 RoPE, its values 128), else ``None``.
+        tied_embeddings: the output head shares the input embedding's matrix
+            (``tie_word_embeddings``), so the model stores one ``vocab_size × hidden_size``
+            matrix instead of two (:meth:`embedding_params`).
         source: where the figures come from (config.json on the hub, paper).
     """
 
@@ -100,6 +103,7 @@ class ModelSpec:
     hidden_size: int | None = None
     max_position_embeddings: int | None = None
     value_head_dim: int | None = None
+    tied_embeddings: bool = False
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -226,6 +230,15 @@ class ModelSpec:
         if self.num_params is None:
             raise ValueError(f"num_params is unknown for {self.name!r}; set it to size weights")
         return -(-self.num_params * bits // 8)
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the input embedding and the output head: ``vocab_size × hidden_size``,
+        twice unless :attr:`tied_embeddings`; 0 when either size is unknown. Quantized
+        checkpoints (AWQ, GPTQ, FP8, GGUF's Q4_K_M) keep these at 16 bits or close to it."""
+        if self.vocab_size is None or self.hidden_size is None:
+            return 0
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
 
     @property
     def hub_id(self) -> str | None:
@@ -437,6 +450,7 @@ def spec_from_config(
         vocab_size=_config_get(cfg, "vocab_size"),
         hidden_size=_first(cfg, "hidden_size", "n_embd", "d_model"),
         max_position_embeddings=_first(cfg, "max_position_embeddings", "n_positions"),
+        tied_embeddings=bool(_config_get(cfg, "tie_word_embeddings", False)),
         source="spec_from_config",
     )
 
@@ -567,6 +581,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         num_params=1_235_814_400,
         vocab_size=128_256,
         hidden_size=2048,
+        tied_embeddings=True,
         max_position_embeddings=131_072,
         source=_HF + "meta-llama/Llama-3.2-1B",
     ),
@@ -581,6 +596,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         num_params=3_212_749_824,
         vocab_size=128_256,
         hidden_size=3072,
+        tied_embeddings=True,
         max_position_embeddings=131_072,
         source=_HF + "meta-llama/Llama-3.2-3B",
     ),
@@ -638,6 +654,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         num_params=494_032_768,
         vocab_size=151_936,
         hidden_size=896,
+        tied_embeddings=True,
         max_position_embeddings=32_768,
         source=_HF + "Qwen/Qwen2.5-0.5B",
     ),
@@ -683,6 +700,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         layer_types=_alternating(42, 1, 1),
         vocab_size=256_000,
         hidden_size=3584,
+        tied_embeddings=True,
         max_position_embeddings=8192,
         source=_HF + "google/gemma-2-9b; arXiv:2408.00118",
     ),
@@ -700,6 +718,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         layer_types=_alternating(62, 5, 1),
         vocab_size=262_208,
         hidden_size=5376,
+        tied_embeddings=True,
         max_position_embeddings=131_072,
         source=_HF + "google/gemma-3-27b-pt; arXiv:2503.19786",
     ),
@@ -777,6 +796,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         num_params=134_515_008,
         vocab_size=49_152,
         hidden_size=576,
+        tied_embeddings=True,
         max_position_embeddings=8192,
         source=_HF + "HuggingFaceTB/SmolLM2-135M",
     ),
@@ -791,6 +811,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         num_params=1_711_376_384,
         vocab_size=49_152,
         hidden_size=2048,
+        tied_embeddings=True,
         max_position_embeddings=8192,
         source=_HF + "HuggingFaceTB/SmolLM2-1.7B",
     ),

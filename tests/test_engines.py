@@ -41,8 +41,14 @@ def test_a_pair_is_priced_as_its_halves():
 
 def test_candidates_follow_the_measurements():
     assert [t.name for t in engines.candidates("llama.cpp", "int4", {})] == ["q4_0"]
-    names = [t.name for t in engines.candidates("llama.cpp", "int4", MEASURED)]
+    names = [t.name for t in engines.candidates("llama.cpp", "int4", MEASURED, "cpu")]
     assert names == ["q8_0/q4_0", "iq4_nl", "q4_0"]  # best measured first; q8_0 is the int8 level
+    # on a GPU, only what llama.cpp's default CUDA build runs natively: iq4_nl's attention would
+    # run on the CPU, and the q8_0/q4_0 pair is converted to f16 at every step
+    assert [t.name for t in engines.candidates("llama.cpp", "int4", MEASURED)] == ["q4_0"]
+    for name in names[:2]:
+        assert not engines.runs_well(engines.kv_type("llama.cpp", name), "gpu")
+        assert engines.runs_well(engines.kv_type("llama.cpp", name), "cpu")
     assert [t.name for t in engines.candidates("vllm", "int8", MEASURED)] == ["fp8"]
     assert engines.candidates("vllm", "int4", MEASURED) == []
 
@@ -51,7 +57,10 @@ def test_the_plan_takes_the_best_measured_type_that_holds_the_request():
     # 8B on a 24 GiB card, 32k, 4 users: q8_0 does not hold them, q4_0 does
     plain = recommend("llama-3.1-8b", 24, 32768, 4, results={})
     assert (plain.engine, plain.kv_type) == ("llama.cpp", "q4_0")
-    p = recommend("llama-3.1-8b", 24, 32768, 4, results=MEASURED)
+    gpu = recommend("llama-3.1-8b", 24, 32768, 4, results=MEASURED)
+    assert gpu.kv_type == "q4_0"  # the better-measured types do not run natively on CUDA
+    # on a CPU (20 GiB of RAM, 8-bit weights) llama.cpp runs them all
+    p = recommend("llama-3.1-8b", 20, 32768, 4, weight_bits=8, device="cpu", results=MEASURED)
     flags = p.to_llama_cpp()
     assert p.engine == "llama.cpp" and p.fits
     assert p.kv_type in ("q8_0/q4_0", "iq4_nl")
@@ -72,12 +81,12 @@ def test_every_better_measured_type_holds_fewer_sequences(gib):
     """The plan's llama.cpp int4 type is the first candidate that holds the request."""
     from kvlib import plan_rule
 
-    p = recommend("llama-3.1-8b", gib, 32768, 4, results=MEASURED)
+    p = recommend("llama-3.1-8b", gib + 8, 32768, 4, weight_bits=8, device="cpu", results=MEASURED)
     option = p.options["llama.cpp"]
     if option.kv != "int4":
         return
     spec, budget = get_spec("llama-3.1-8b"), p.budget.kv_budget_bytes
-    for t in engines.candidates("llama.cpp", "int4", MEASURED):
+    for t in engines.candidates("llama.cpp", "int4", MEASURED, "cpu"):
         n = plan_rule.sequences_that_fit(spec, budget, 32768, t.storage, 1)
         if t.name == option.kv_type:
             assert n == option.sequences or (n > 4 and option.sequences == 4)
@@ -88,8 +97,9 @@ def test_every_better_measured_type_holds_fewer_sequences(gib):
 
 
 def test_an_unmeasured_q4_0_is_still_offered():
-    names = [t.name for t in engines.candidates("llama.cpp", "int4", llama_run({"q5_1": 1.0}))]
-    assert names == ["q5_1", "q4_0"]
+    run = llama_run({"q5_1": 1.0})
+    assert [t.name for t in engines.candidates("llama.cpp", "int4", run, "cpu")] == ["q5_1", "q4_0"]
+    assert [t.name for t in engines.candidates("llama.cpp", "int4", run)] == ["q4_0"]  # GPU
 
 
 def test_mla_models_get_no_pairs():
@@ -101,6 +111,6 @@ def test_mla_models_get_no_pairs():
     chosen = plan_rule.types_by_level(spec, budget, 8192, 64, 8, "llama.cpp", MEASURED)
     assert not any(t.mixed for t, _ in chosen.values())
     llama = get_spec("llama-3.1-8b")
-    budget = plan_rule.memory_budget(llama, "gpu", 24, 16, 1)
+    budget = plan_rule.memory_budget(llama, "cpu", 48, 16, 1)
     chosen = plan_rule.types_by_level(llama, budget, 32768, 1, 1, "llama.cpp", MEASURED)
     assert chosen["int4"][0].name == "q8_0/q4_0"  # one sequence: the best measured type fits

@@ -65,7 +65,7 @@ def test_8b_on_24gb_at_32k_one_user_keeps_fp16(meas):
     assert (p.status, p.kv, p.engine, p.kv_type) == ("ok", "fp16", "transformers", "dynamic-fp16")
     assert p.to_transformers() == {"cache": "dynamic-fp16", "batch_size": 1}
     assert p.to_llama_cpp()["--cache-type-k"] == "f16" and p.to_llama_cpp()["-fa"] == "auto"
-    assert p.to_vllm()["kv_cache_dtype"] == "auto" and p.to_vllm()["max_num_seqs"] == 1
+    assert "kv_cache_dtype" not in p.to_vllm() and p.to_vllm()["max_num_seqs"] == 1  # auto
     assert [o.kv for o in p.options.values()] == ["fp16"] * 3  # every engine keeps fp16
 
 
@@ -91,8 +91,13 @@ def test_8b_on_24gb_at_32k_four_users_int4(meas):
     # vLLM, the first choice for several sequences, holds only what fits at fp8
     assert p.options["vllm"].status == "reduced" and n_fp8 < 4
     v = p.to_vllm()
-    assert v["kv_cache_dtype"] == "fp8" and v["max_model_len"] == 32768 and v["block_size"] == 16
-    assert v["max_num_seqs"] == n_fp8
+    assert v["kv_cache_dtype"] == "fp8" and v["max_model_len"] == 32768
+    # the ceiling on vLLM's batch is the traffic: paging admits what fits as sequences grow
+    assert v["max_num_seqs"] == 4 and v["kv_cache_memory_bytes"] == p.budget.kv_budget_bytes
+    # a typical length sizes it by what the paged cache admits there (whole 16-token blocks)
+    typical = recommend("llama-3.1-8b", 24, 32768, concurrency=4, typical_context=9000)
+    admitted = _fits(dataclasses.replace(typical, context_len=9008), 8)
+    assert typical.to_vllm()["max_num_seqs"] == min(4, admitted)
     assert any(
         r.startswith(f"vllm cannot hold the whole request (fp8 fits {n_fp8} of 4)")
         for r in p.reasons
@@ -109,23 +114,30 @@ def test_8b_on_24gb_at_32k_four_users_int4(meas):
 
 
 def test_70b_on_2x80gb_tensor_parallel():
-    p = recommend("llama-3.1-70b", 80, 32768, concurrency=16, num_gpus=2, results={})
+    # worst case (every sequence at 32k): llama.cpp's layer split at q4_0 guarantees more
+    worst = recommend("llama-3.1-70b", 80, 32768, concurrency=16, num_gpus=2, results={})
+    assert (worst.engine, worst.kv_type) == ("llama.cpp", "q4_0")
+    assert worst.options["llama.cpp"].sequences > worst.options["vllm"].sequences == 1
+    # conversations of ~2k tokens: vLLM's paged cache admits all 16 at fp8, so vLLM serves them
+    p = recommend(
+        "llama-3.1-70b", 80, 32768, concurrency=16, num_gpus=2, typical_context=2048, results={}
+    )
     assert p.status == "reduced" and (p.kv, p.kv_type) == ("int8", "fp8")
-    assert p.tensor_parallel_size == 2 and p.engine == "vllm" and list(p.options) == ["vllm"]
-    for other in (p.to_transformers, p.to_llama_cpp):  # only vLLM splits a model over GPUs
-        with pytest.raises(ValueError, match="no (transformers|llama.cpp) settings"):
-            other()
+    assert p.tensor_parallel_size == 2 and p.engine == "vllm" and p.options["vllm"].holds
+    assert list(p.options) == ["vllm", "llama.cpp"]  # llama.cpp splits the layers
+    with pytest.raises(ValueError, match="no transformers settings"):
+        p.to_transformers()
     # each GPU holds 4 of the 8 KV heads: half of every sequence's cache
     assert p.kv_bytes_per_sequence == memory.kv_cache_bytes(p.spec, 32768, 1, 8) // 2
     assert p.max_concurrency == _fits(p, 8, tp=2) == 1
     v = p.to_vllm()
     assert v["tensor_parallel_size"] == 2 and v["kv_cache_dtype"] == "fp8"
-    assert v["max_num_seqs"] == p.max_concurrency and "quantization" not in v
-    assert any(s.startswith("weight_bits=4") for s in p.suggestions)
+    assert v["max_num_seqs"] == 16 and "quantization" not in v
+    assert any(s.startswith("weight_bits=8") for s in p.suggestions)
     p4 = recommend("llama-3.1-70b", 80, 32768, 16, weight_bits=4, num_gpus=2, results={})
     assert p4.fits and p4.to_vllm()["max_num_seqs"] == 16
     p8 = recommend("llama-3.1-70b", 80, 32768, 16, weight_bits=8, num_gpus=2, results={})
-    assert p8.max_concurrency == _fits(p8, 8, tp=2) > p.max_concurrency
+    assert p8.options["vllm"].sequences == _fits(p8, 8, tp=2) > p.max_concurrency
     assert p8.to_vllm()["quantization"] == "fp8"
 
 
@@ -235,7 +247,8 @@ def test_to_dict_is_json_with_stable_keys():
         *["quality", "weight_bits", "status", "kv", "kv_type", "engine", "paging"],
         *["idle_storage", "tensor_parallel_size", "kv_bytes_per_sequence"],
         *["kv_bytes_per_sequence_fp16", "max_concurrency", "max_concurrency_fp16"],
-        *["max_context", "max_context_fp16", "reasons", "watch", "suggestions", "spec"],
+        *["max_context", "max_context_fp16", "typical_context", "reasons", "watch"],
+        *["suggestions", "spec"],
         *["budget", "fits", "buys", "sequences_by_setting", "types_by_setting", "options"],
         *["eviction", "transformers", "vllm", "llama_cpp"],
     ]

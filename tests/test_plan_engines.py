@@ -101,8 +101,13 @@ def test_every_plan_prints_settings_its_engines_accept(model, gib, context, user
             assert fits >= users
         s = settings[engine]()
         if engine == "vllm":
-            assert (s["kv_cache_dtype"], s["max_num_seqs"]) == (option.kv_type, option.sequences)
+            # only what differs from vLLM's defaults; the batch ceiling is the traffic (no
+            # typical length given), the KV budget the plan's own
+            assert s.get("kv_cache_dtype", "auto") == option.kv_type
+            assert s["max_num_seqs"] == users
+            assert s["kv_cache_memory_bytes"] == p.budget.kv_budget_bytes
             assert s["max_model_len"] == context
+            assert not {"gpu_memory_utilization", "block_size", "enable_prefix_caching"} & set(s)
         elif engine == "llama.cpp":
             assert s["--cache-type-k"] == s["--cache-type-v"] == option.kv_type
             assert (s["-np"], s["-c"]) == (option.sequences, option.sequences * context)
@@ -135,9 +140,9 @@ def test_vllm_has_fp16_and_fp8_only():
     at_fp8 = sequences_that_fit(LLAMA8, d.budget.kv_budget_bytes, 32768, (8, None, 0))
     vllm = d.options["vllm"]
     assert (vllm.kv, vllm.kv_type, vllm.status) == ("int8", "fp8", "reduced")
-    assert v["kv_cache_dtype"] == "fp8" and v["max_num_seqs"] == at_fp8 < 16
-    assert v["gpu_memory_utilization"] == 0.9 and v["block_size"] == 16
-    assert "quantization" not in v
+    assert v["kv_cache_dtype"] == "fp8" and at_fp8 < 16 and v["max_num_seqs"] == 16
+    assert v["kv_cache_memory_bytes"] == d.budget.kv_budget_bytes
+    assert "quantization" not in v and "gpu_memory_utilization" not in v
     # llama.cpp goes lower (q4_0) and fits more of the same request: the plan takes it
     assert d.options["llama.cpp"].kv_type == "q4_0"
     assert d.options["llama.cpp"].sequences > at_fp8
@@ -151,7 +156,7 @@ def test_vllm_has_fp16_and_fp8_only():
     assert m.sequences == d.options["llama.cpp"].sequences
     assert engines.measured_llama_cpp()[m.kv_type] <= engines.measured_llama_cpp()["q4_0"]
     fp16 = plan_engines.vllm_args(decide(LLAMA8, 80, 8192, 8))
-    assert fp16["kv_cache_dtype"] == "auto" and fp16["max_num_seqs"] == 8
+    assert "kv_cache_dtype" not in fp16 and fp16["max_num_seqs"] == 8  # auto: the default
     w8 = plan_engines.vllm_args(decide(LLAMA8, 80, 8192, 8, weight_bits=8, num_gpus=2))
     assert w8["quantization"] == "fp8" and w8["tensor_parallel_size"] == 2
 
@@ -165,20 +170,27 @@ def test_cpu_plans_run_llama_cpp_only():
     ):
         plan_engines.vllm_args(d)
     tp = decide(specs.get_spec("llama-3.1-70b"), 80, 32768, 16, num_gpus=2)
-    assert list(tp.options) == ["vllm"]
-    with pytest.raises(ValueError, match="only vLLM splits a model across GPUs"):
-        plan_engines.llama_cpp_flags(tp)
+    assert list(tp.options) == ["vllm", "llama.cpp"]  # llama.cpp splits the layers
+    with pytest.raises(ValueError, match=r"transformers' generate\(\) runs one GPU here"):
+        plan_engines.transformers_kwargs(tp)
 
 
 def test_commands_name_hub_ids_and_a_request_that_does_not_fit():
     d = decide(LLAMA8, 80, 131072, 4, model="llama-3.1-8b")
     cmd = plan_engines.commands(d)
     assert cmd["vllm"].startswith("vllm serve meta-llama/Llama-3.1-8B --kv-cache-dtype fp8")
-    assert cmd["vllm"].endswith("--enable-prefix-caching")  # a flag without a value
-    assert cmd["llama.cpp"].startswith("llama-server -m Llama-3.1-8B.gguf -c ")
+    assert cmd["llama.cpp"].startswith("llama-server -m Llama-3.1-8B-F16.gguf -c ")
     mine = plan_engines.commands(d, "meta-llama/Llama-3.1-8B-Instruct")
     assert mine["vllm"].startswith("vllm serve meta-llama/Llama-3.1-8B-Instruct ")
-    assert mine["llama.cpp"].startswith("llama-server -m Llama-3.1-8B-Instruct.gguf ")
+    assert mine["llama.cpp"].startswith("llama-server -m Llama-3.1-8B-Instruct-F16.gguf ")
+    # quantized weights: a checkpoint of that kind and the flag that runs it
+    d4 = decide(LLAMA8, 24, 8192, 4, weight_bits=4, model="llama-3.1-8b")
+    four = plan_engines.commands(d4)
+    assert four["vllm"].startswith("vllm serve <AWQ int4 checkpoint of meta-llama/Llama-3.1-8B> ")
+    assert four["vllm"].endswith("--quantization awq_marlin")
+    assert four["llama.cpp"].startswith("llama-server -m Llama-3.1-8B-Q4_K_M.gguf ")
+    d8 = decide(LLAMA8, 24, 8192, 4, weight_bits=8, model="llama-3.1-8b")
+    assert plan_engines.commands(d8)["vllm"].endswith("--quantization fp8")
     assert plan_engines.commands(d, "my.gguf")["llama.cpp"].startswith("llama-server -m my.gguf ")
     none = decide(specs.get_spec("qwen2.5-7b"), 16, 8192, model="qwen2.5-7b")
     assert plan_engines.commands(none) == {}

@@ -42,13 +42,15 @@ def test_choose_setting_walks_the_quality_ladder():
     assert choose_setting(dict.fromkeys(fits, 0), "aggressive", 1) == (None, "impossible")
 
 
-def _opt(engine: str, status: str, sequences: int) -> EngineOption:
-    return EngineOption(engine, "int8", "x", status, sequences, 0, 8.0)
+def _opt(engine: str, status: str, sequences: int, admitted: int | None = None) -> EngineOption:
+    admitted = sequences if admitted is None else admitted
+    holds = status == "ok" or admitted >= 4
+    return EngineOption(engine, "int8", "x", status, sequences, 0, 8.0, admitted, holds)
 
 
 def test_choose_engine_and_idle_storage():
     assert engine_candidates("cpu", 64, 1) == ("llama.cpp",)
-    assert engine_candidates("gpu", 1, 2) == engine_candidates("gpu", 4, 2) == ("vllm",)
+    assert engine_candidates("gpu", 1, 2) == engine_candidates("gpu", 4, 2) == ("vllm", "llama.cpp")
     assert engine_candidates("gpu", 4, 1) == ("vllm", "llama.cpp")
     assert engine_candidates("gpu", 1, 1) == ("transformers", "vllm", "llama.cpp")
     # without options: the traffic's first choice
@@ -65,6 +67,10 @@ def test_choose_engine_and_idle_storage():
     assert choose_engine("gpu", 4, 1, opts) == "llama.cpp"
     opts["llama.cpp"] = _opt("llama.cpp", "reduced", 2)
     assert choose_engine("gpu", 4, 1, opts) == "vllm"
+    # a paged engine that admits everyone at the typical length holds the request
+    opts["llama.cpp"] = _opt("llama.cpp", "reduced", 3)
+    opts["vllm"] = _opt("vllm", "reduced", 2, admitted=4)
+    assert choose_engine("gpu", 4, 1, opts) == "vllm"
     n = plan_rule.IDLE_STORAGE_MIN_SESSIONS
     assert idle_storage(n, "int4") == "pca" and idle_storage(n - 1, "int4") is None
     assert idle_storage(n, None) is None  # nothing to store when nothing fits
@@ -74,13 +80,18 @@ def test_memory_budget_counts_gib_and_shards_weights():
     b = memory_budget(LLAMA8, "gpu", 24, 16)
     assert b.device_bytes == 24 * GIB  # an "24 GB" card holds 24 GiB
     assert b.headroom_bytes == int(24 * GIB * 0.10) and b.weights_bytes == LLAMA8.num_params * 2
+    # quantized checkpoints keep the embedding and the (untied) output head at 16 bits
+    embed = LLAMA8.vocab_size * LLAMA8.hidden_size * 2
+    w4 = memory_budget(LLAMA8, "gpu", 24, 4).weights_bytes
+    assert w4 == -(-(LLAMA8.num_params - embed) * (4 + 20 / 128) // 8) + 2 * embed
     assert b.overhead_bytes == GIB + 2048 * 4096 * 16 * 2  # runtime + one prefill chunk
     assert b.kv_budget_bytes == b.usable_bytes - b.weights_bytes - b.overhead_bytes
     assert [label for label, _ in b.rows()][-1] == "left for the KV cache"
     tp2 = memory_budget(LLAMA8, "gpu", 24, 16, tp=2)
     assert tp2.weights_bytes == -(-LLAMA8.num_params * 2 // 2) and tp2.tensor_parallel_size == 2
     cpu = memory_budget(LLAMA8, "cpu", 24, 8)
-    assert cpu.headroom_bytes == int(24 * GIB * 0.25) and cpu.weights_bytes == LLAMA8.num_params
+    assert cpu.headroom_bytes == int(24 * GIB * 0.25)
+    assert cpu.weights_bytes == LLAMA8.num_params - embed + 2 * embed  # 8 bits, head at 16
     assert memory_budget(LLAMA8, "gpu", 0, 16).kv_budget_bytes < 0
     with pytest.raises(ValueError, match="parameter count"):
         memory_budget(specs.ModelSpec("x", 2, 4, 4, 8), "gpu", 24, 16)

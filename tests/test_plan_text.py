@@ -47,7 +47,8 @@ def test_reasons_give_the_budget_and_each_settings_count():
     )
     # q4_0 is not measured: said so, citing kvlib's int4 cache
     assert why[1].startswith("q4_0 (llama.cpp) is not measured")
-    assert "(kvlib-int4): +0.8 % perplexity on TinyTest-1M, measured 2031-01-02" in why[1]
+    assert "(kvlib-int4): +0.8 % perplexity on TinyTest-1M with transformers on a CPU" in why[1]
+    assert "measured 2031-01-02" in why[1]
     assert f"only {fits['int4']} of 16 sequences fit" in why[2]  # reduced
     vllm = d.options["vllm"]
     assert why[3].startswith(
@@ -64,7 +65,8 @@ def test_reasons_give_the_budget_and_each_settings_count():
         f"fp16 fits {tfits['fp16']}, kvlib-int8 fits {tfits['int8']}; kvlib-int4 fits "
         f"{tfits['int4']}"
     )
-    assert twhy[1].startswith("kvlib-int4: +0.8 % perplexity on TinyTest-1M, measured 2031-01-02")
+    assert twhy[1].startswith("kvlib-int4: +0.8 % perplexity on TinyTest-1M with transformers")
+    assert "measured 2031-01-02" in twhy[1]
     assert twhy[2].startswith("int4 with a Hadamard rotation (kvlib-int4-rot): -0.1 % perplexity")
     assert "transformers generate()" in twhy[-1]
     solo = plan_text.reasons(decide(LLAMA8, 80, 8192, 1), {})
@@ -106,7 +108,10 @@ def test_suggestions_only_when_it_does_not_fit_and_in_gib():
     fb = fallbacks(d)
     s = plan_text.suggestions(d, fb)
     assert s[0] == "weight_bits=8: the whole request with fp16"
-    assert s[1] == "num_gpus=2 (vLLM tensor_parallel_size=2): the whole request with fp16"
+    assert s[1] == (
+        "num_gpus=2 (vLLM tensor_parallel_size=2, or llama.cpp's layer split): the whole "
+        "request with fp16"
+    )
     # the memory is named at the plan's engine's lowest type (transformers: kvlib-int4)
     assert d.engine == "transformers" and d.lowest_setting == "int4"
     assert (
@@ -148,7 +153,8 @@ def test_alternatives_give_each_other_engines_type_and_count():
     none = plan_text.alternatives(decide(specs.get_spec("qwen2.5-7b"), 16, 8192))
     assert none and all(a.endswith("not one sequence fits at any KV type it runs") for a in none)
     assert plan_text.alternatives(decide(LLAMA8, 24, 8192, device="cpu")) == ()  # llama.cpp only
-    assert plan_text.alternatives(decide(LLAMA8, 24, 8192, 4, num_gpus=2)) == ()  # vLLM only
+    (split,) = plan_text.alternatives(decide(LLAMA8, 24, 8192, 4, num_gpus=2))
+    assert split.startswith("llama.cpp: ")  # vLLM's tensor parallelism, llama.cpp's layers
 
 
 def test_summary_says_gib():

@@ -190,12 +190,13 @@ def _config_of(spec: ModelSpec, num_layers: int | None = None):
         vocab_size=spec.vocab_size,
         max_position_embeddings=spec.max_position_embeddings,
         sliding_window=spec.sliding_window,
+        tie_word_embeddings=spec.tied_embeddings,
     )
     if spec.is_mla:
         fields.update(kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim)
     if model_type == "falcon":  # no such fields: one KV head comes from multi_query
         del fields["num_key_value_heads"], fields["head_dim"]
-    return AutoConfig.for_model(model_type, **fields, **extra)
+    return AutoConfig.for_model(model_type, **(fields | extra))
 
 
 def test_every_registry_model_has_an_architecture_check():
