@@ -57,6 +57,7 @@ __all__ = [
     "KV_TYPES",
     "LEVELS",
     "TOKEN_EVICTION",
+    "GGML_CUDA_VEC_HEAD_SIZES",
     "EngineKV",
     "accepts",
     "candidates",
@@ -253,12 +254,12 @@ def measured_llama_cpp(results: Mapping[str, Any] | None = None) -> dict[str, fl
 def measured_vllm(results: Mapping[str, Any] | None = None) -> dict[str, float]:
     """vLLM KV dtypes measured by ``benchmarks/bench_vllm.py`` (run ``"vllm"``) → mean
     perplexity delta (%) against vLLM's own ``auto`` cache, keyed by vLLM's dtype names. Rows
-    the run marks as not computed correctly (``"computes_correctly": false``: dtypes the CPU
-    build accepts but does not compute) are left out. Empty without such a run."""
+    the run marks as not computed correctly (``"computed_correctly_on_cpu": false``: dtypes
+    the CPU build accepts but does not compute) are left out. Empty without such a run."""
     rows = kvresults.run("vllm", results).get("rows", {})
     out: dict[str, float] = {}
     for name, row in rows.items() if isinstance(rows, Mapping) else ():
-        if not isinstance(row, Mapping) or row.get("computes_correctly") is False:
+        if not isinstance(row, Mapping) or row.get("computed_correctly_on_cpu") is False:
             continue
         delta = row.get("perplexity_delta_pct_mean")
         if isinstance(delta, (int, float)) and accepts("vllm", name):
@@ -282,14 +283,24 @@ def measured_cost(t: EngineKV, results: Mapping[str, Any] | None = None) -> floa
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def runs_well(t: EngineKV, device: str = "gpu") -> bool:
+#: Head sizes whose decode kernel in llama.cpp's CUDA build reads quantized K/V as they are
+#: (ggml-cuda's vector flash-attention kernel); other head sizes, and prompt processing, convert
+#: quantized K/V to f16 first (:mod:`kvlib.engine_support`'s ``cuda_notes``, from fattn.cu).
+GGML_CUDA_VEC_HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
+
+
+def runs_well(t: EngineKV, device: str = "gpu", head_dim: int | None = None) -> bool:
     """Whether ``t`` runs at full speed on ``device`` in the engine's default build
     (:mod:`kvlib.engine_support`, read from the engines' sources): on a GPU, llama.cpp's
     flash-attention kernels of its default CUDA build (``f16``, ``bf16``, ``q8_0`` and ``q4_0``,
     keys and values of one type: other pairs are converted to f16 at every step unless built with
     ``GGML_CUDA_FA_QUANTS``, and ``iq4_nl`` runs attention on the CPU) and vLLM's CUDA
-    backends; on a CPU, every llama.cpp type. transformers runs kvlib's caches anywhere."""
+    backends; on a CPU, every llama.cpp type. transformers runs kvlib's caches anywhere.
+    ``head_dim``: the model's head size, where known: llama.cpp's CUDA decode reads quantized
+    K/V natively only at :data:`GGML_CUDA_VEC_HEAD_SIZES`."""
     if t.engine == "llama.cpp" and device == "gpu":
+        if t.bits < 16 and head_dim is not None and head_dim not in GGML_CUDA_VEC_HEAD_SIZES:
+            return False
         return engine_support.llama_cpp_cuda_path(*t.cache_types) == "native"
     if t.engine == "vllm" and device == "gpu":
         return engine_support.vllm_dtype(t.name).runs_on_cuda
@@ -297,7 +308,11 @@ def runs_well(t: EngineKV, device: str = "gpu") -> bool:
 
 
 def candidates(
-    engine: str, level: str, results: Mapping[str, Any] | None = None, device: str = "gpu"
+    engine: str,
+    level: str,
+    results: Mapping[str, Any] | None = None,
+    device: str = "gpu",
+    head_dim: int | None = None,
 ) -> list[EngineKV]:
     """The types the planner may use for ``engine`` at ``level`` on ``device``, preferred first.
 
@@ -305,10 +320,10 @@ def candidates(
     measurements in ``results``, every measured type that stores less than q8_0 and no less than
     q4_0 and that :func:`runs_well` on ``device``, best measured quality first (smaller first on
     a tie), and q4_0 last if it was not measured; without them, q4_0 alone. A level the engine
-    does not run gives ``[]``.
+    does not run well on ``device`` (for a model of ``head_dim``) gives ``[]``.
     """
     base = planned(engine).get(level)
-    if base is None:
+    if base is None or not runs_well(base, device, head_dim):
         return []
     if engine != "llama.cpp" or level != "int4":
         return [base]
@@ -317,7 +332,7 @@ def candidates(
     pool = [
         t
         for t in KV_TYPES
-        if t.engine == "llama.cpp" and t.name in measured and runs_well(t, device)
+        if t.engine == "llama.cpp" and t.name in measured and runs_well(t, device, head_dim)
         and base.effective_bits <= t.effective_bits < top
     ]  # fmt: skip
     if base not in pool:  # the level's smallest type stays offered, measured or not

@@ -29,9 +29,12 @@ __all__ = [
 
 #: vLLM's ``--quantization`` for the plan's weight bits: ``fp8`` quantizes a 16-bit checkpoint
 #: while loading it (W8A8 on GPUs of compute capability 8.9 and later, weight-only through
-#: Marlin kernels on 8.0-8.6); ``awq_marlin`` runs an AWQ int4 checkpoint with the Marlin
-#: kernels (compute capability 8.0 and later; vLLM picks it for an AWQ checkpoint by itself).
-VLLM_QUANTIZATION: dict[int, str] = {8: "fp8", 4: "awq_marlin"}
+#: Marlin kernels on 8.0-8.6). 4-bit weights come as a pre-quantized AWQ int4 checkpoint
+#: (:func:`checkpoint`), which needs no flag: vLLM reads ``quantization_config.quant_method``
+#: from it and picks the Marlin kernels (``awq_marlin``) by itself, and a flag that contradicts
+#: the checkpoint is an error (vLLM 0.32's ``vllm/engine/arg_utils.py``,
+#: ``vllm/model_executor/layers/quantization/__init__.py``).
+VLLM_QUANTIZATION: dict[int, str] = {8: "fp8"}
 #: The GGUF weight type llama.cpp loads for the plan's weight bits (``-m``): Q8_0 is 8.5 bits
 #: per weight, Q4_K_M about 4.9 (the plan prices 4-bit weights at AWQ's 4.16, see
 #: :data:`kvlib.plan_rule.QUANTIZED_WEIGHT_BITS`).
@@ -104,9 +107,9 @@ def vllm_args(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
     * ``kv_cache_memory_bytes``: the plan's KV budget per GPU, so that vLLM's cache is the one
       the plan counted (vLLM then ignores ``gpu_memory_utilization``);
     * ``max_model_len``: the context; ``max_num_seqs``: :func:`vllm_max_num_seqs`;
-    * ``tensor_parallel_size`` when above 1; ``quantization`` for 8-bit (``fp8``: vLLM
-      quantizes a 16-bit checkpoint as it loads it) and 4-bit weights (``awq_marlin``: an AWQ
-      int4 checkpoint, :func:`checkpoint`).
+    * ``tensor_parallel_size`` when above 1; ``quantization="fp8"`` for 8-bit weights (vLLM
+      quantizes a 16-bit checkpoint as it loads it); 4-bit weights are an AWQ checkpoint
+      (:func:`checkpoint`) whose own config says so (:data:`VLLM_QUANTIZATION`).
 
     Raises:
         ValueError: not one sequence fits at any KV type vLLM runs here (``hint`` says what

@@ -105,7 +105,7 @@ def fallbacks(d: Decision) -> Fallbacks:
             if kv := _whole_request_with(d, tp=n, weight_bits=wb):
                 by_both = (n, wb, kv)
                 break
-    store = (d.types_by_setting.get(lowest) or kv_types(d.engine, d.spec)[lowest]).storage
+    store = (d.types_by_setting.get(lowest) or kv_types(d.engine, d.spec, d.device)[lowest]).storage
     per_seq = kv_sequence_bytes(d.spec, d.context_len, store, tp)
     need = d.budget.weights_bytes + d.budget.overhead_bytes + per_seq * d.concurrency
     shorter = context_that_fits(d.spec, d.budget.kv_budget_bytes, d.concurrency, store, tp)

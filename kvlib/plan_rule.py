@@ -164,14 +164,16 @@ QUALITY_LADDER: dict[str, tuple[str, ...]] = {
 Storage = tuple[int, int | None, int]
 
 
-def kv_types(engine: str, spec: ModelSpec) -> dict[str, EngineKV]:
-    """The KV type ``engine`` uses at each level it can run for ``spec``, highest first
-    (:func:`kvlib.engines.planned`; kvlib's quantized caches take full-attention models only,
-    so transformers runs a model with sliding-window layers at fp16)."""
+def kv_types(engine: str, spec: ModelSpec, device: str = "gpu") -> dict[str, EngineKV]:
+    """The KV type ``engine`` uses at each level it can run for ``spec`` on ``device``, highest
+    first (:func:`kvlib.engines.planned`, less what its default build does not run well there,
+    :func:`kvlib.engines.runs_well`: on a GPU llama.cpp's quantized types need a head size its
+    CUDA decode kernel reads natively; kvlib's quantized caches take full-attention models
+    only, so transformers runs a model with sliding-window layers at fp16)."""
     types = engines.planned(engine)
     if engine == "transformers" and spec.num_sliding_layers > 0:
         return {"fp16": types["fp16"]}
-    return types
+    return {level: t for level, t in types.items() if engines.runs_well(t, device, spec.head_dim)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,7 +452,7 @@ def sequences_by_level(
     kv_budget = budget.kv_budget_bytes
     return {
         name: sequences_that_fit(spec, kv_budget, context_len, t.storage, tp)
-        for name, t in kv_types(engine, spec).items()
+        for name, t in kv_types(engine, spec, budget.device).items()
     }
 
 
@@ -477,10 +479,10 @@ def types_by_level(
     """
     kv_budget = budget.kv_budget_bytes
     out: dict[str, tuple[EngineKV, int]] = {}
-    for level, default in kv_types(engine, spec).items():
+    for level, default in kv_types(engine, spec, budget.device).items():
         pool = [
             t
-            for t in engines.candidates(engine, level, results, budget.device)
+            for t in engines.candidates(engine, level, results, budget.device, spec.head_dim)
             if _priced_exactly(t, spec)
         ]
         fits = [

@@ -186,8 +186,11 @@ def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
     if t is None:
         return []
     measured = engines.measured_llama_cpp(results) if d.engine == "llama.cpp" else {}
+    vllm = engines.measured_vllm(results) if d.engine == "vllm" else {}
     if t.name in measured:
         out = [_llama_cpp_note(t, measured, results)]
+    elif t.name in vllm and t.level != "fp16":
+        out = [_vllm_note(t, results)]
     elif t.measured_as is not None:
         out = [quality_note(d.kv, results, t.measured_as, label=_label(t))]
     else:
@@ -233,6 +236,20 @@ def _llama_cpp_note(t: EngineKV, measured: Mapping[str, float], results: Mapping
     ):
         line += f"; {base}, the level's smallest type, {_fmt_pct(measured[base])}"
     return line + f" ({kvresults.citation(run)})"
+
+
+def _vllm_note(t: EngineKV, results: Mapping[str, Any]) -> str:
+    """The measured cost of a vLLM KV dtype against vLLM's own ``auto`` cache, from vLLM's run
+    (``benchmarks/bench_vllm.py``), with its per-segment range."""
+    run = kvresults.run("vllm", results)
+    row = run["rows"][t.name]
+    seg = _segments(row)
+    spread = f", {len(seg)} segments {_fmt_pct(min(seg))} … {_fmt_pct(max(seg))}" if seg else ""
+    return (
+        f"{t.name} (vLLM): {_fmt_pct(row['perplexity_delta_pct_mean'])} perplexity on average "
+        f"against vLLM's own 16-bit cache{spread}, {t.effective_bits:g} bits per value "
+        f"({kvresults.citation(run)})"
+    )
 
 
 def _segments(cost: Mapping[str, Any]) -> list[float]:
@@ -309,10 +326,10 @@ def dominating(d: Decision, results: Mapping[str, Any]) -> list[EngineKV]:
     allowed = QUALITY_LADDER[d.quality]
     out = []
     for engine in d.options:
-        for level in plan_rule.kv_types(engine, d.spec):
+        for level in plan_rule.kv_types(engine, d.spec, d.device):
             if level not in allowed:
                 continue
-            for u in engines.candidates(engine, level, results):
+            for u in engines.candidates(engine, level, results, d.device, d.spec.head_dim):
                 cost = engines.measured_cost(u, results)
                 if u == t or cost is None or u.effective_bits > t.effective_bits:
                     continue
