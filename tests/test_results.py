@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Which run of kvlib/results.json each section of benchmarks/RESULTS.md reports.
 SECTION_RUNS = {
+    "vLLM's KV-cache dtypes on the bundled model (benchmarks/bench_vllm.py)": "vllm",
     "Quantization kernels (kvlib.quant)": "quant",
     "Quantized KV cache in transformers (kvlib.cache vs HF QuantizedCache)": "cache",
     "PCA transform coding (kvlib.pca)": "pca",
