@@ -103,7 +103,7 @@ class ModelSpec:
     hidden_size: int | None = None
     max_position_embeddings: int | None = None
     value_head_dim: int | None = None
-    tied_embeddings: bool = False
+    tied_embeddings: bool = field(default=False, repr=False)  # a weights fact: not in the repr
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
