@@ -344,8 +344,10 @@ def test_reasons_cite_a_results_file_by_path_or_env(tmp_path, monkeypatch):
 def test_the_package_results_are_cited_by_default():
     p = recommend("llama-3.1-8b", 24, 16384, concurrency=4)
     assert p.kv_type == "fp8"
-    note = next(r for r in p.reasons if r.startswith("fp8 (hf-fp8):"))
-    assert "bench_cache.py" in note and "not measured" not in " ".join(p.reasons)
+    # vLLM's fp8 is cited from vLLM's own run, naming the engine and the device
+    note = next(r for r in p.reasons if r.startswith("fp8 (vLLM):"))
+    assert "bench_vllm.py" in note and "with vLLM on a CPU" in note
+    assert "not measured" not in " ".join(p.reasons)
     t = recommend("llama-3.1-8b", 24, 98304)
     assert t.kv_type == "kvlib-int4"
     note = next(r for r in t.reasons if r.startswith("kvlib-int4:"))
