@@ -103,6 +103,7 @@ __all__ = [
     "kv_types",
     "memory_budget",
     "paged_sequences",
+    "engine_sequences",
     "sequences_by_level",
     "types_by_level",
     "sequences_that_fit",
@@ -336,11 +337,29 @@ def paged_sequences(
     tp: int = 1,
     block_size: int = VLLM_BLOCK_SIZE,
 ) -> int:
-    """Sequences of ``tokens`` tokens a paged engine admits in ``kv_budget`` bytes on each GPU:
-    each holds ``ceil(tokens / block_size)`` whole blocks (notebook 06), and nothing else is
-    reserved, so shorter conversations admit more sequences than the full-context count."""
+    """Sequences of ``tokens`` tokens a paged engine (vLLM) keeps at once in ``kv_budget`` bytes
+    on each GPU: the budget is cut into whole blocks of ``block_size`` tokens, one of which
+    (vLLM's null block) is never handed to a request, and each sequence holds
+    ``ceil(tokens / block_size)`` blocks (notebook 06). Nothing else is reserved, so shorter
+    conversations admit more sequences than the full-context count. (The block count is exact
+    for full-attention and MLA models, checked against vLLM's reported capacity by
+    ``benchmarks/bench_vllm.py``; sliding-window layers are priced at their window.)"""
+    if kv_budget <= 0:
+        return 0
+    null_block = kv_sequence_bytes(spec, block_size, store, tp)
     blocks = -(-tokens // block_size)
-    return sequences_that_fit(spec, kv_budget, blocks * block_size, store, tp)
+    return sequences_that_fit(spec, kv_budget - null_block, blocks * block_size, store, tp)
+
+
+def engine_sequences(
+    engine: str, spec: ModelSpec, kv_budget: int, tokens: int, store: Storage, tp: int = 1
+) -> int:
+    """Sequences of ``tokens`` tokens ``engine`` keeps at once: whole blocks less the null
+    block on vLLM (:func:`paged_sequences`), whole sequences on llama.cpp and transformers
+    (:func:`sequences_that_fit`)."""
+    if engine == "vllm":
+        return paged_sequences(spec, kv_budget, tokens, store, tp)
+    return sequences_that_fit(spec, kv_budget, tokens, store, tp)
 
 
 def context_that_fits(
@@ -451,7 +470,7 @@ def sequences_by_level(
     (at that engine's type), highest level first."""
     kv_budget = budget.kv_budget_bytes
     return {
-        name: sequences_that_fit(spec, kv_budget, context_len, t.storage, tp)
+        name: engine_sequences(engine, spec, kv_budget, context_len, t.storage, tp)
         for name, t in kv_types(engine, spec, budget.device).items()
     }
 
@@ -486,7 +505,7 @@ def types_by_level(
             if _priced_exactly(t, spec)
         ]
         fits = [
-            (t, sequences_that_fit(spec, kv_budget, context_len, t.storage, tp))
+            (t, engine_sequences(engine, spec, kv_budget, context_len, t.storage, tp))
             for t in pool or [default]
         ]
         # none holds them all: the type that fits the most, the smallest on a tie (so that a

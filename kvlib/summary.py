@@ -18,7 +18,14 @@ from kvlib.memory import kv_bytes_per_token
 from kvlib.plan_rule import KV_SETTINGS
 from kvlib.specs import get_spec
 
-__all__ = ["TechniqueLine", "series_summary", "format_summary"]
+__all__ = [
+    "EngineCacheRow",
+    "TechniqueLine",
+    "engine_rows",
+    "format_engine_rows",
+    "format_summary",
+    "series_summary",
+]
 
 
 @dataclass(frozen=True)
@@ -116,3 +123,98 @@ def format_summary(lines: list[TechniqueLine]) -> str:
         for label in ("buys", "costs", "also"):
             out.append(f"  {label + ':':<7}{getattr(line, label)}")
     return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class EngineCacheRow:
+    """One KV-cache type as its own engine measured it: the cost against that engine's own
+    16-bit cache, on the same text segments, and the bytes it stores.
+
+    Attributes:
+        engine: ``"transformers"`` (kvlib's and transformers' caches), ``"llama.cpp"`` or
+            ``"vllm"``.
+        cache: the name the engine gives the type (a registry name for transformers).
+        bytes_per_token: bytes per cached token on the evaluated text, every scale and
+            full-precision window included.
+        x_smaller_than_fp16: 16-bit bytes over these bytes.
+        delta_pct: mean perplexity change (%) against the engine's own 16-bit cache.
+        segments: per-segment changes (%), when measured on several segments (else empty).
+        reference: what the change is measured against.
+        measured: :func:`kvlib.results.citation` of the run (model, engine, device, date).
+    """
+
+    engine: str
+    cache: str
+    bytes_per_token: float
+    x_smaller_than_fp16: float
+    delta_pct: float
+    segments: tuple[float, ...]
+    reference: str
+    measured: str
+
+
+#: Per engine: the run, its reference row and what the reference is, and the rows shown.
+_ENGINE_RUNS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
+    "transformers": (
+        "cache",
+        "transformers' DynamicCache of the fp32 model",
+        ("kvlib-int8", "kvlib-int4", "kvlib-int3", "kvlib-int2", "quanto-int4", "hf-fp8"),
+    ),
+    "llama.cpp": ("llama.cpp", "llama.cpp's own f16 cache", None),
+    "vllm": ("vllm", "vLLM's own 16-bit (auto) cache", None),
+}
+
+
+def engine_rows(results: Mapping[str, Any] | None = None) -> list[EngineCacheRow]:
+    """Every quantized KV-cache type the results measured on each engine (kvlib's and
+    transformers' caches, llama.cpp's types, vLLM's dtypes), each against its own engine's
+    16-bit cache on the same segments of text (notebooks 04 and 08). A vLLM dtype the run
+    marks as not computed correctly on the CPU, and each engine's reference, are left out; an
+    engine whose run is missing gives no rows.
+    """
+    results = kvresults.load_results() if results is None else results
+    out = []
+    for engine, (run_name, reference, names) in _ENGINE_RUNS.items():
+        run = kvresults.run(run_name, results)
+        rows = run.get("rows", {}) if run else {}
+        for name in names or list(rows):
+            row = rows.get(name)
+            if not isinstance(row, Mapping) or row.get("computed_correctly_on_cpu") is False:
+                continue
+            segments = tuple(float(x) for x in row.get("perplexity_delta_pct_segments") or ())
+            delta = row.get("perplexity_delta_pct_mean", row.get("perplexity_delta_pct"))
+            if delta is None or row.get("x_smaller_than_fp16", 1.0) <= 1.0:
+                continue  # a reference (fp32, f16, auto): nothing quantized
+            out.append(
+                EngineCacheRow(
+                    engine=engine,
+                    cache=name,
+                    bytes_per_token=float(row["bytes_per_token"]),
+                    x_smaller_than_fp16=float(row["x_smaller_than_fp16"]),
+                    delta_pct=float(delta),
+                    segments=segments if len(segments) >= 2 else (),
+                    reference=reference,
+                    measured=kvresults.citation(run),
+                )
+            )
+    return out
+
+
+def format_engine_rows(rows: list[EngineCacheRow]) -> str:
+    """The rows as a text table, one line each: engine, cache, bytes per token, × smaller than
+    16-bit, the mean perplexity change and, where measured on several segments, their range;
+    then one line per engine saying what its changes are measured against and on what."""
+    head = (
+        f"{'engine':<13}{'cache':<16}{'bytes/token':>12}{'× smaller':>11}{'Δ ppl %':>10}  segments"
+    )
+    lines = [head]
+    for r in rows:
+        seg = f"{min(r.segments):+.3g} … {max(r.segments):+.3g}" if r.segments else "one"
+        lines.append(
+            f"{r.engine:<13}{r.cache:<16}{r.bytes_per_token:>12,.0f}{r.x_smaller_than_fp16:>11.3g}"
+            f"{r.delta_pct:>+10.3g}  {seg}"
+        )
+    for engine in dict.fromkeys(r.engine for r in rows):
+        first = next(r for r in rows if r.engine == engine)
+        lines.append(f"{engine}: against {first.reference}, {first.measured}")
+    return "\n".join(lines)

