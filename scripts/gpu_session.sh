@@ -11,7 +11,7 @@
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform linux_x86_64 \
-#       -d .whl nbval==0.11.0 ipykernel==7.4.0        # 41 wheels, 17 MB
+#       -d .whl nbval==0.11.0 ipykernel==7.4.0 ipywidgets==8.1.8   # 44 wheels, 20 MB
 #
 # Each step runs under its own time limit, all of them within TOTAL_LIMIT, each logged to
 # $OUT/NAME.log whatever the others do, and listed in $OUT/steps.txt:
@@ -51,12 +51,15 @@ export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1  # a step killed at its limi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kvlib-gpu/triton} MPLCONFIGDIR=/tmp/kvlib-gpu/mpl
 export JUPYTER_RUNTIME_DIR=/tmp/kvlib-gpu/jupyter IPYTHONDIR=/tmp/kvlib-gpu/ipython
+# ipywidgets travels with the wheels too: without it, tqdm (imported by transformers) writes
+# "IProgress not found" to the first cell's stderr, which strict nbval compares (seen on the H200)
 mkdir -p "$TRITON_CACHE_DIR" "$MPLCONFIGDIR" "$JUPYTER_RUNTIME_DIR" "$IPYTHONDIR"
 failed=0
 
 step() {  # step NAME LIMIT COMMAND...: run with a time limit, log to $OUT/NAME.log, count failures
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="install nbval_09"
     local left=$((T_END - SECONDS - 5))
     if [ "$left" -lt 20 ]; then
         echo "$name: skipped, ${TOTAL_LIMIT} s session limit reached" | tee -a "$OUT/steps.txt"
@@ -73,7 +76,7 @@ step() {  # step NAME LIMIT COMMAND...: run with a time limit, log to $OUT/NAME.
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
 }
 
-step install 60 env PYTHONPATH= "$PYTHON" - "$WHEELS" "$SITE" nbval ipykernel <<'EOF'
+step install 60 env PYTHONPATH= "$PYTHON" - "$WHEELS" "$SITE" nbval ipykernel ipywidgets <<'EOF'
 """Unpack the wheels the roots need and this python lacks (or has in a version that does not
 fit) into SITE. A wheel is a zip: its files go to SITE, .data/purelib|platlib merged in,
 .data/scripts|data|headers left out (nothing here needs them)."""
