@@ -15,6 +15,7 @@ module                what it holds                                             
 ``memory``            KV-cache byte math, what fits in a GPU (GiB)                    01
 ``packing``           bit-packing integer codes into bytes                            03
 ``quant``             int8/4/3/2 group quantization (``QuantizedTensor``)             02, 03
+``cache_layout``      the quantized cache's defaults, as numbers (no torch)            03, 04
 ``attention``         dense reference attention (causal, GQA, ragged lengths)         02, 06
 ``compat``            one adapter over transformers' cache API                        04, 05
 ``rope``              rotary position embeddings: apply, undo, read from a model      05
@@ -62,8 +63,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvlib.device import get_device, seed_everything
-
 __version__ = "0.1.0"
 
 _SUBMODULES = (
@@ -71,6 +70,7 @@ _SUBMODULES = (
     "bitalloc",
     "blocks",
     "cache",
+    "cache_layout",
     "cache_registry",
     "capacity",
     "capture",
@@ -119,4 +119,6 @@ __all__ = ["get_device", "seed_everything", "__version__", *_SUBMODULES]
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"kvlib.{name}")
+    if name in ("get_device", "seed_everything"):  # kvlib.device imports torch: only on use
+        return getattr(importlib.import_module("kvlib.device"), name)
     raise AttributeError(f"module 'kvlib' has no attribute {name!r}")

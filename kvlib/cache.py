@@ -78,6 +78,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib import compat, fused_attention
+from kvlib.cache_layout import (
+    RESIDUAL_LENGTH,
+    SINK_TOKENS,
+    default_group_size,
+    default_key_group_size,
+    default_rotate,
+)
 from kvlib.fused_attention import FusedStep
 from kvlib.kernels import PackedKV, interpreter_mode, triton_available
 from kvlib.quant import QuantizedTensor, hadamard, quantize
@@ -106,32 +113,7 @@ def _check_group_size(group_size: Any, head_dim: int) -> int:
     return group_size
 
 
-# Defaults, measured on the bundled model (benchmarks/RESULTS.md, "Choosing the defaults"):
-# 32-token key groups at <= 4 bits (one group per block at 8 bits, where finer key groups would
-# cost more bytes than their error is worth), value groups of up to 64 channels, keys rotated at
-# <= 3 bits (at 4 bits rotation did not change the mean perplexity and slows decoding).
-DEFAULT_KEY_GROUP_TOKENS = 32
-DEFAULT_VALUE_GROUP_CHANNELS = 64
-
-
-def default_key_group_size(key_bits: int, residual_length: int) -> int:
-    """Tokens per key group when none is given: ``gcd(32, residual_length)`` at 2-4 bits, the
-    whole block (``residual_length``) at 8 bits."""
-    if key_bits <= 4:
-        return math.gcd(DEFAULT_KEY_GROUP_TOKENS, residual_length)
-    return residual_length
-
-
-def default_group_size(head_dim: int, most: int = DEFAULT_VALUE_GROUP_CHANNELS) -> int:
-    """Channels per value group when none is given: the largest divisor of ``head_dim`` <=
-    ``most`` (64)."""
-    return max(g for g in range(1, min(head_dim, most) + 1) if head_dim % g == 0)
-
-
-def default_rotate(key_bits: int, head_dim: int) -> bool:
-    """Rotate keys when ``rotate`` is not given: at 2 and 3 bits, if head_dim is a power of
-    two (the Hadamard matrix exists)."""
-    return key_bits <= 3 and head_dim > 0 and not head_dim & (head_dim - 1)
+# The defaults live in kvlib.cache_layout (no torch there: the planner reads them too).
 
 
 def _check_fused_decode(fused_decode: Any) -> bool | None:
@@ -188,8 +170,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         key_bits: int = 4,
         value_bits: int = 4,
         group_size: int | None = None,
-        residual_length: int = 128,
-        sink_tokens: int = 4,
+        residual_length: int = RESIDUAL_LENGTH,
+        sink_tokens: int = SINK_TOKENS,
         rotation: torch.Tensor | None = None,
         window_dtype: torch.dtype | None = None,
         key_group_size: int | None = None,
@@ -598,8 +580,8 @@ class QuantizedKVCache(Cache):
         key_bits: int | None = None,
         value_bits: int | None = None,
         group_size: int | None = None,
-        residual_length: int = 128,
-        sink_tokens: int = 4,
+        residual_length: int = RESIDUAL_LENGTH,
+        sink_tokens: int = SINK_TOKENS,
         rotate: bool | None = None,
         window_dtype: torch.dtype | None = None,
         key_group_size: int | None = None,

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from kvlib import cache as kvcache
-from kvlib import compat, eviction
+from kvlib import cache_layout, compat, eviction
 
 __all__ = [
     "CACHE_NAMES",
@@ -148,11 +148,11 @@ def _kvlib_entries() -> list[CacheInfo]:
     residual = _default(init, "residual_length")
     sinks = _default(init, "sink_tokens")
     window = residual + sinks
-    values = kvcache.DEFAULT_VALUE_GROUP_CHANNELS
+    values = cache_layout.DEFAULT_VALUE_GROUP_CHANNELS
     out = []
     for bits in (8, 4, 3, 2):
         keys = kvcache.default_key_group_size(bits, residual)
-        group = min(keys, values)
+        group = cache_layout.predicted_group_size(bits, residual)
         layout = f"key groups of {keys} tokens, value groups of up to {values} channels"
         out.append(
             CacheInfo(

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvlib import cache_registry, engine_support
+from kvlib import cache_layout, engine_support
 from kvlib import results as kvresults
 from kvlib.memory import GROUP_META_BITS
 
@@ -149,12 +149,15 @@ class EngineKV:
         return (self.bits, self.group_size, self.group_meta_bits)
 
 
-def _kvlib(level: str, name: str) -> EngineKV:
-    info = cache_registry.cache_info(name)
-    bits = info.cache_bits(16)
-    group = info.group_size if bits < 16 else None
-    meta = GROUP_META_BITS if group else 0
-    return EngineKV("transformers", name, level, bits, group, meta, measured_as=name)
+def _kvlib(level: str, bits: int) -> EngineKV:
+    """kvlib's cache at ``bits`` (``dynamic-fp16`` at 16), priced as :mod:`kvlib.cache_registry`
+    prices it: one fp16 scale and zero point per :func:`kvlib.cache_layout.predicted_group_size`
+    values."""
+    if bits >= 16:
+        return EngineKV("transformers", "dynamic-fp16", level, 16, measured_as="dynamic-fp16")
+    name = f"kvlib-int{bits}"
+    group = cache_layout.predicted_group_size(bits)
+    return EngineKV("transformers", name, level, bits, group, GROUP_META_BITS, measured_as=name)
 
 
 def _ggml(name: str, level: str | None, bits: int, meta_bits: int) -> EngineKV:
@@ -177,10 +180,10 @@ _Q4_1 = _ggml("q4_1", None, 4, 2 * _FP16)
 
 #: Every KV type each engine accepts.
 KV_TYPES: tuple[EngineKV, ...] = (
-    _kvlib("fp16", "dynamic-fp16"),
-    _kvlib("int8", "kvlib-int8"),
-    _kvlib("int4", "kvlib-int4"),
-    _kvlib("int2", "kvlib-int2"),
+    _kvlib("fp16", 16),
+    _kvlib("int8", 8),
+    _kvlib("int4", 4),
+    _kvlib("int2", 2),
     EngineKV("vllm", "auto", "fp16", 16, measured_as="dynamic-fp16"),
     EngineKV("vllm", "fp8", "int8", 8, measured_as="hf-fp8"),
     EngineKV("vllm", "fp8_e4m3", None, 8, measured_as="hf-fp8"),

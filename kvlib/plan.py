@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlib import cache_registry, plan_engines, plan_fallbacks, plan_rule, plan_text
+from kvlib import plan_engines, plan_fallbacks, plan_rule, plan_text
 from kvlib.plan_rule import Decision
 from kvlib.specs import ModelSpec, get_spec, spec_from_config
 from kvlib.validate import check_bits, check_int, check_number
@@ -69,17 +69,14 @@ class Plan(Decision):
     # ---------------------------------------------------------------- engines
     def to_transformers(self) -> dict[str, Any]:
         """``{"cache": registry name, "batch_size": n}`` for transformers' ``generate``
-        (:func:`kvlib.plan_engines.transformers_kwargs`; :meth:`transformers_cache` builds it).
+        (:func:`kvlib.plan_engines.transformers_kwargs`): build the cache with
+        ``kvlib.cache_registry.make_cache(name, model.config)``, which needs torch; the plan
+        itself does not.
 
         Raises:
             ValueError: not one sequence fits at any level transformers runs, or a CPU plan.
         """
         return plan_engines.transformers_kwargs(self, hint=self._hint)
-
-    def transformers_cache(self, config: Any) -> Any:
-        """A fresh cache of :meth:`to_transformers`'s type for ``config`` (``model.config``), to
-        pass as ``model.generate(..., past_key_values=cache)``."""
-        return cache_registry.make_cache(self.to_transformers()["cache"], config)
 
     def to_vllm(self) -> dict[str, Any]:
         """Engine arguments for ``vllm.LLM(model, **plan.to_vllm())`` / ``vllm serve``

@@ -66,7 +66,7 @@ def transformers_kwargs(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
 
     ``name`` is a :mod:`kvlib.cache_registry` name (``"dynamic-fp16"``, ``"kvlib-int4"``, …):
     build it with ``kvlib.cache_registry.make_cache(name, model.config)`` (or
-    :meth:`kvlib.plan.Plan.transformers_cache`) and pass it as ``past_key_values=``; ``n`` is
+    the CLI prints that call) and pass it as ``past_key_values=``; ``n`` is
     the batch that fits at its bytes. kvlib's quantized caches take full-attention models only,
     so a model with sliding-window layers gets ``dynamic-fp16``.
 

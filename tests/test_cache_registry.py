@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from kvlib import cache_registry
+from kvlib import cache_layout, cache_registry
 from kvlib.model_choice import random_config
 
 REFERENCES = {
@@ -86,7 +86,7 @@ def test_defaults_are_read_from_the_classes():
         info = cache_registry.cache_info(f"kvlib-int{bits}")
         keys = kvcache.default_key_group_size(bits, init["residual_length"].default)
         assert info.residual_tokens == window
-        assert info.group_size == min(keys, kvcache.DEFAULT_VALUE_GROUP_CHANNELS)
+        assert info.group_size == min(keys, cache_layout.DEFAULT_VALUE_GROUP_CHANNELS)
     hf = inspect.signature(QuantizedLayer.__init__).parameters
     for name in ("quanto-int4", "hqq-int2-axis1"):
         info = cache_registry.cache_info(name)

@@ -114,3 +114,18 @@ def test_mla_models_get_no_pairs():
     budget = plan_rule.memory_budget(llama, "cpu", 48, 16, 1)
     chosen = plan_rule.types_by_level(llama, budget, 32768, 1, 1, "llama.cpp", MEASURED)
     assert chosen["int4"][0].name == "q8_0/q4_0"  # one sequence: the best measured type fits
+
+
+def test_the_planners_kvlib_types_are_the_registrys():
+    """kvlib.engines prices kvlib's caches without importing the registry (no torch); both read
+    kvlib.cache_layout, so they agree."""
+    from kvlib import cache_registry
+
+    for t in engines.KV_TYPES:
+        if t.engine != "transformers":
+            continue
+        info = cache_registry.cache_info(t.name)
+        assert (t.bits, t.group_size) == (
+            info.cache_bits(16),
+            info.group_size if t.bits < 16 else None,
+        )

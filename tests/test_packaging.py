@@ -178,3 +178,28 @@ def test_installed_wheel_plans_like_the_checkout(tmp_path) -> None:
     plan_installed, plan_checkout = json.loads(installed.stdout), json.loads(checkout.stdout)
     assert plan_installed == plan_checkout
     assert "not measured yet" not in json.dumps(plan_installed)  # the results were found
+
+
+def _imported(*args: str) -> set[str]:
+    """The top-level packages a fresh interpreter imports to run ``python -X importtime ...``."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", *args], capture_output=True, text=True, check=True
+    )
+    names = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if "|" in line]
+    return {name.split(".")[0] for name in names}
+
+
+def test_kvlib_plan_and_import_kvlib_load_no_torch():
+    """`kvlib plan` answers at once: the planner needs no torch or transformers (the
+    import-linter contract "the planner needs no torch" checks the imports; this, the run)."""
+    argv = ["-m", "kvlib", "plan", "--model", "llama-3.1-8b", "--gpu-memory", "24"]
+    loaded = _imported(*argv, "--context", "32k", "--concurrency", "16", "--typical-context", "4k")
+    assert "kvlib" in loaded and not {"torch", "transformers", "triton"} & loaded
+    assert not {"torch", "transformers"} & _imported(
+        "-c", "import kvlib; kvlib.specs, kvlib.memory"
+    )
+    # and the device helpers still load torch when asked for
+    assert "torch" in _imported("-c", "import kvlib; kvlib.seed_everything(0)")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import engines, memory, plan_rule, specs
+from kvlib import cache_registry, engines, memory, plan_rule, specs
 from kvlib.plan import Plan, recommend
 from kvlib.results import RESULTS_ENV
 
@@ -472,7 +472,7 @@ def test_to_transformers_settings_run_in_generate(model, eval_ids):
                 ids,
                 max_new_tokens=2,
                 do_sample=False,
-                past_key_values=p.transformers_cache(model.config),
+                past_key_values=cache_registry.make_cache(kwargs["cache"], model.config),
             )
         ref = out if ref is None else ref
         assert torch.equal(out, ref), kv
