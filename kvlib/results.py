@@ -183,15 +183,18 @@ _ENGINES_BY_SOURCE: dict[str, str] = {
     "benchmarks/bench_kvpress.py": "transformers + kvpress",
     "benchmarks/bench_engines.py": "llama.cpp",
     "benchmarks/bench_vllm.py": "vLLM",
+    "benchmarks/bench_kernel.py": "kvlib's Triton kernel and torch SDPA",
 }
 
 
 def _device(machine: str) -> str:
-    """A run's device in a few words, from its ``machine`` field: ``"CPU (Intel Xeon)"``."""
-    if "gpu" in machine.lower() and "no gpu" not in machine.lower():
-        return machine.split(";")[0].split(",")[0].strip() or "GPU"
-    cpu = machine.split(",")[0].strip()
-    return f"CPU ({cpu})" if cpu and cpu != "x86_64" and "CPU" not in cpu else "CPU"
+    """A run's device in a few words, from its ``machine`` field: ``"a CPU (Intel Xeon)"``,
+    ``"a GPU (NVIDIA H200)"``."""
+    first = machine.split(";")[0].split(",")[0].strip()
+    cpu = "no GPU" in machine or "CPU" in machine or "thread" in machine
+    if not cpu and ("GPU" in machine or "NVIDIA" in machine):
+        return f"a GPU ({first})"
+    return f"a CPU ({first})" if first and first != "x86_64" else "a CPU"
 
 
 def citation(entry: Mapping[str, Any]) -> str:
@@ -207,7 +210,7 @@ def citation(entry: Mapping[str, Any]) -> str:
     if engine:
         parts.append(f"with {engine}")
     if isinstance(machine, str) and machine:
-        parts.append(f"on a {_device(machine)}")
+        parts.append(f"on {_device(machine)}")
     parts.append(f"measured {entry.get('date', '?')} by {source}")
     return (" ".join(parts[:-1]) + ", " if len(parts) > 1 else "") + parts[-1]
 

@@ -204,3 +204,14 @@ def test_results_md_t4_prediction_is_kvlib_memory_at_notebook_07s_budget():
         quoted = f"{context:,}".replace(",", " ")
         assert quoted in paragraph, f"{name}: {quoted} tokens not quoted"
     assert "largest batch at 8192 tokens " + " / ".join(map(str, batches)) in paragraph
+
+
+def test_a_citation_names_model_engine_and_device():
+    run = {"source": "benchmarks/bench_engines.py", "command": "x", "date": "2031-01-02"}
+    cpu = results.citation(run | {"model": "Tiny", "machine": "AMD EPYC, 2-core CPU, no GPU"})
+    assert (
+        cpu == "on Tiny with llama.cpp on a CPU (AMD EPYC), measured 2031-01-02 by " + run["source"]
+    )
+    gpu = results.citation(run | {"machine": "NVIDIA H200; torch 2.11.0+cu130", "engine": "vLLM"})
+    assert gpu == "with vLLM on a GPU (NVIDIA H200), measured 2031-01-02 by " + run["source"]
+    assert results.citation({"source": "s", "date": "d"}) == "measured d by s"
