@@ -8,6 +8,7 @@
     python scripts/nb.py audit notebooks/*.ipynb                        # what nbval compares
     python scripts/nb.py student --out build/student notebooks/*.ipynb  # `make student`
     python scripts/nb.py colab notebooks/*.ipynb README.md               # Colab cells + badges
+    python scripts/nb.py series                                         # the course's structure
 
 ``run`` executes each notebook top to bottom in the current Python environment, writes the
 executed copy under ``--out`` and prints one line per notebook (name, seconds, slowest cell,
@@ -36,6 +37,11 @@ Colab" badge (in the notebooks and README.md) from the one place that names the 
 and release: ``[project.urls] Homepage`` and ``version`` in pyproject.toml. Both point at the
 release tag ``v<version>``, so a notebook opened from a badge installs the kvlib it was written
 for. ``--check`` changes nothing and fails if a file is out of date (a test runs it).
+
+``series`` writes, from ``notebooks/series.toml`` (the course in one place: each notebook's
+title, goal, kvlib modules and running time), notebook 00's map of the series, README's table of
+notebooks and the "Next:" cell that ends every notebook. ``--check`` changes nothing and fails
+if a file is out of date (a test runs it).
 
 ``from-py`` / ``to-py`` convert with jupytext's percent format (``# %%`` starts a code cell,
 ``# %% [markdown]`` a markdown cell whose lines are prefixed with ``# ``; IPython magics are
@@ -348,6 +354,114 @@ def sync_colab(paths: list[Path], check: bool = False) -> list[Path]:
     return changed
 
 
+# -- the course's structure, from notebooks/series.toml -----------------------------------------
+
+SERIES = Path("notebooks") / "series.toml"
+_MAP_HEADER = "| notebook | idea | kvlib modules |"
+_README_HEADER = "| # | notebook | what you learn | CPU time | Colab |"
+
+
+def load_series(root: Path = ROOT) -> list[dict]:
+    """The notebooks of the course, in order, as ``notebooks/series.toml`` lists them."""
+    return tomllib.loads((root / SERIES).read_text(encoding="utf-8"))["notebook"]
+
+
+def _badge(file: str) -> str:
+    return colab_badges(
+        f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+        f"(https://colab.research.google.com/github/x/y/blob/z/notebooks/{file})"
+    )
+
+
+def series_map(series: list[dict]) -> str:
+    """Notebook 00's map of the series: a Markdown table, one row per notebook."""
+    rows = [_MAP_HEADER, "|---|---|---|"]
+    for nb in series:
+        modules = ", ".join(f"`{m}`" for m in nb["modules"])
+        rows.append(f"| {nb['file'][:2]} · {nb['short']} | {nb['idea']} | {modules} |")
+    return "\n".join(rows)
+
+
+def readme_table(series: list[dict]) -> str:
+    """README's table of notebooks: number, linked title, what it teaches, time, Colab badge."""
+    rows = [_README_HEADER, "|---|---|---|---|---|"]
+    for nb in series:
+        link = f"[{nb['title']}](notebooks/{nb['file']})"
+        rows.append(
+            f"| {nb['file'][:2]} | {link} | {nb['learn']} | {nb['cpu']} | {_badge(nb['file'])} |"
+        )
+    return "\n".join(rows)
+
+
+def next_link(series: list[dict], i: int) -> str:
+    """The cell that ends notebook ``i``: a link to the next notebook (with its teaser), or the
+    last notebook's closing line."""
+    if i + 1 == len(series):
+        return f"**Next:** {series[i]['end']}"
+    nxt = series[i + 1]
+    teaser = f": {nxt['teaser']}." if "teaser" in nxt else ""
+    return f"**Next:** [{nxt['file'][:2]} · {nxt['title']}]({nxt['file']}){teaser}"
+
+
+def _replace_table(text: str, header: str, table: str, where: str) -> str:
+    """``text`` with the Markdown table that starts at the line ``header`` replaced."""
+    lines = text.split("\n")
+    if header not in lines:
+        raise ValueError(f"{where}: no table headed {header!r}")
+    start = lines.index(header)
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[:start] + table.split("\n") + lines[end:])
+
+
+def sync_series(root: Path = ROOT, check: bool = False) -> list[Path]:
+    """Write 00's map, README's table and every notebook's "Next:" cell from
+    ``notebooks/series.toml``; return the files that were (with ``check``: would be) changed.
+
+    Raises:
+        ValueError: the notebooks on disk are not the ones the series lists, in its order, or a
+            notebook has no "Next:" cell, or a table is missing.
+    """
+    series = load_series(root)
+    on_disk = sorted(p.name for p in (root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    listed = [nb["file"] for nb in series]
+    if on_disk != listed:
+        raise ValueError(f"{SERIES} lists {listed}, notebooks/ holds {on_disk}")
+    changed = []
+    readme = root / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    new = _replace_table(text, _README_HEADER, readme_table(series), "README.md")
+    if new != text:
+        changed.append(readme)
+        if not check:
+            readme.write_text(new, encoding="utf-8")
+    for i, entry in enumerate(series):
+        path = root / "notebooks" / entry["file"]
+        nb = nbformat.read(path, as_version=4)
+        before = nbformat.writes(nb)
+        ends = [
+            c for c in nb.cells if c.cell_type == "markdown" and c.source.startswith("**Next:**")
+        ]
+        if len(ends) != 1:
+            raise ValueError(
+                f"{path.name}: {len(ends)} cells start with '**Next:**' (one expected)"
+            )
+        ends[0].source = next_link(series, i)
+        if i == 0:
+            maps = [c for c in nb.cells if c.cell_type == "markdown" and _MAP_HEADER in c.source]
+            if len(maps) != 1:
+                raise ValueError(f"{path.name}: no single cell with the series map")
+            maps[0].source = _replace_table(
+                maps[0].source, _MAP_HEADER, series_map(series), path.name
+            )
+        if nbformat.writes(nb) != before:
+            changed.append(path)
+            if not check:
+                nbformat.write(nb, path)
+    return changed
+
+
 def from_py(src: Path, dst: Path) -> None:
     """Convert a percent-format script to a notebook (outputs empty; run ``execute`` next)."""
     nb = jupytext.read(src, fmt=PERCENT_FORMAT)
@@ -390,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     p_colab = sub.add_parser("colab", help="Colab install cells and badges from pyproject.toml")
     p_colab.add_argument("--check", action="store_true", help="change nothing; fail if stale")
     p_colab.add_argument("files", nargs="+", type=Path)
+    p_series = sub.add_parser(
+        "series", help="00's map, README's table, Next links from series.toml"
+    )
+    p_series.add_argument("--check", action="store_true", help="change nothing; fail if stale")
     p_to = sub.add_parser("to-py", help="notebook -> percent-format script")
     p_to.add_argument("src", type=Path)
     p_to.add_argument("dst", type=Path)
@@ -406,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "colab":
         changed = sync_colab(args.files, check=args.check)
+        for path in changed:
+            print(f"{'out of date' if args.check else 'updated'}: {path}")
+        return 1 if args.check and changed else 0
+    if args.cmd == "series":
+        changed = sync_series(check=args.check)
         for path in changed:
             print(f"{'out of date' if args.check else 'updated'}: {path}")
         return 1 if args.check and changed else 0

@@ -368,3 +368,41 @@ def test_colab_cell_that_cannot_install_says_so_in_one_line(tmp_path: Path) -> N
 def test_no_saved_widget_state(path: Path) -> None:
     """Widget state saved by an interactive session is stale output nbval never compares."""
     assert "widgets" not in nbformat.read(path, as_version=4).metadata
+
+
+# -- the course's structure (`scripts/nb.py series`, notebooks/series.toml) --------------------
+
+
+def test_the_series_map_readme_table_and_next_links_come_from_one_file() -> None:
+    nb = _nb_script()
+    assert nb.sync_series(check=True) == []
+    series = nb.load_series()
+    assert [s["file"] for s in series] == [p.name for p in NOTEBOOKS]
+    for entry in series:  # every module a notebook lists is one kvlib has
+        for module in entry["modules"]:
+            assert importlib.util.find_spec(f"kvlib.{module}") is not None, (entry["file"], module)
+    assert "end" in series[-1] and not any("end" in s for s in series[:-1])
+
+
+def test_series_sync_rewrites_what_disagrees(tmp_path: Path) -> None:
+    import shutil
+
+    nb = _nb_script()
+    (tmp_path / "notebooks").mkdir()
+    shutil.copy(ROOT / nb.SERIES, tmp_path / nb.SERIES)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    for path in NOTEBOOKS:
+        shutil.copy(path, tmp_path / "notebooks" / path.name)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (tmp_path / "README.md").write_text(readme.replace("| about 20 s |", "| 5 s |"), "utf-8")
+    stale = tmp_path / "notebooks" / NOTEBOOKS[3].name
+    book = nbformat.read(stale, as_version=4)
+    end = next(c for c in book.cells if c.source.startswith("**Next:**"))
+    end.source = "**Next:** somewhere else"
+    nbformat.write(book, stale)
+    assert nb.sync_series(tmp_path, check=True) == [tmp_path / "README.md", stale]
+    assert nb.sync_series(tmp_path) == [tmp_path / "README.md", stale]
+    assert nb.sync_series(tmp_path, check=True) == []
+    (tmp_path / "notebooks" / NOTEBOOKS[-1].name).unlink()  # a notebook the series lists is gone
+    with pytest.raises(ValueError, match="series.toml lists"):
+        nb.sync_series(tmp_path, check=True)
