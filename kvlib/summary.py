@@ -62,17 +62,45 @@ def _quant_line(setting: str, results: Mapping[str, Any]) -> TechniqueLine:
     )
 
 
+def _kernel_line(results: Mapping[str, Any]) -> TechniqueLine:
+    run = kvresults.run("kernel", results)
+    row = run["attention"]["b1-32768"]
+    return TechniqueLine(
+        "Fused decode kernel (09)",
+        f"reads {row['fp16_bytes'] / row['int4_bytes']:.3g}× fewer bytes per step at int4 than fp16 "
+        "(Llama-3.1-8B layer, 32k tokens)",
+        f"{row['fused_int4_us'] / row['fp16_sdpa_us']:.3g}× fp16 SDPA's time on an H200: it reads "
+        f"at {row['bw_int4']:.1%} of the bandwidth, not yet memory-bound",
+        f"{row['torch_int4_us'] / row['fused_int4_us']:.3g}× faster than dequantizing first",
+    )
+
+
+def _eviction_line(results: Mapping[str, Any]) -> TechniqueLine:
+    run = kvresults.run("eviction", results)
+    name = run["best"]["1/4 eviction+int4"]
+    row, ref = run["rows"][name], run["rows"]["dynamic-fp32"]
+    return TechniqueLine(
+        f"Token eviction (10, {name.split('@')[0]})",
+        "1/4 of the fp16 bytes per sequence (int4 storage of the kept tokens)",
+        f"perplexity {row['perplexity_delta_pct_mean']:+.2g} % on average; pass key found "
+        f"{row['retrieval_1024']:.0%} at 1k tokens, {row['retrieval_2048']:.0%} at 2k "
+        f"(uncompressed {ref['retrieval_1024']:.0%}, {ref['retrieval_2048']:.0%})",
+        "dropped tokens are gone: for work that needs no facts from far back",
+    )
+
+
 def series_summary(results: Mapping[str, Any] | None = None) -> list[TechniqueLine]:
-    """One :class:`TechniqueLine` per technique of notebooks 01–06, from ``results`` (default:
-    the package's ``kvlib/results.json``): GQA, int8/int4/int2 caches, PCA transform coding and
-    PagedAttention.
+    """One :class:`TechniqueLine` per technique of the series, from ``results`` (default: the
+    package's ``kvlib/results.json``): GQA, int8/int4/int2 caches, PCA transform coding,
+    PagedAttention, the fused decode kernel and token eviction.
 
     Raises:
         ValueError: a run the summary needs is missing from ``results``.
         KeyError: a figure the summary needs is missing from a run.
     """
     results = kvresults.load_results() if results is None else results
-    missing = [n for n in ("cache", "quant", "pca", "paged") if not kvresults.run(n, results)]
+    needed = ("cache", "quant", "pca", "paged", "kernel", "eviction")
+    missing = [n for n in needed if not kvresults.run(n, results)]
     if missing:
         raise ValueError(
             f"the results hold no {', '.join(map(repr, missing))} run: run the benchmark "
@@ -112,6 +140,8 @@ def series_summary(results: Mapping[str, Any] | None = None) -> list[TechniqueLi
             f"prefix sharing: {paged['prefix_sharing']['128']['memory_saved']:.3g} % less memory "
             "(4 samples, 128-token outputs)",
         ),
+        _kernel_line(results),
+        _eviction_line(results),
     ]
 
 

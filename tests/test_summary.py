@@ -10,7 +10,12 @@ from kvlib import results, summary
 def test_every_technique_has_a_line_with_its_measured_figures():
     lines = summary.series_summary()
     names = [line.technique for line in lines]
-    assert names[0].startswith("GQA") and names[-1].startswith("PagedAttention")
+    assert names[0].startswith("GQA") and names[-1].startswith("Token eviction")
+    assert [n.split(" (")[0] for n in names[-3:]] == [
+        "PagedAttention",
+        "Fused decode kernel",
+        "Token eviction",
+    ]
     assert sum("KV cache" in n for n in names) == 3
     int4 = next(line for line in lines if "kvlib-int4" in line.technique)
     cost = results.cache_cost("kvlib-int4")
