@@ -281,8 +281,8 @@ def test_student_copy_refuses_code_after_the_solutions(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_student_copies_run_clean_with_the_exercises_unanswered(tmp_path: Path) -> None:
-    """`make student` runs every copy; here the two quick ones, which check unanswered exercises
-    both ways (08 calls its checks with None, 00 only defines them)."""
+    """`make student` runs every copy; here the two quick ones, whose exercise checks run in the
+    class copy and report the exercises as not attempted."""
     nb = _nb_script()
     paths = [p for p in NOTEBOOKS if p.name.startswith(("00_", "08_"))]
     for copy in nb.write_student_copies(paths, tmp_path / "student"):
@@ -294,7 +294,7 @@ def test_student_copies_run_clean_with_the_exercises_unanswered(tmp_path: Path) 
             if c.cell_type == "code"
             for o in c.outputs
         )
-        assert ("not attempted yet" in text) == copy.name.startswith("08_")
+        assert "exercise 1: not attempted yet" in text  # each check runs, and says so
 
 
 # -- Colab install cells and badges (`scripts/nb.py colab`) ----------------------------------
@@ -406,3 +406,44 @@ def test_series_sync_rewrites_what_disagrees(tmp_path: Path) -> None:
     (tmp_path / "notebooks" / NOTEBOOKS[-1].name).unlink()  # a notebook the series lists is gone
     with pytest.raises(ValueError, match="series.toml lists"):
         nb.sync_series(tmp_path, check=True)
+
+
+_EXERCISES = re.compile(r"(?m)^#+ .*Exercises")
+
+
+def _exercise_numbers(cells: list) -> set[int]:
+    """The exercises a notebook asks: numbered items under its "Exercises" heading, or
+    ``**Exercise N.**`` paragraphs before its solutions."""
+    start = next(
+        i for i, c in enumerate(cells) if c.cell_type == "markdown" and _EXERCISES.search(c.source)
+    )
+    numbers: set[int] = set()
+    for i, cell in enumerate(cells[start:], start):
+        if "solution" in (cell.metadata.get("tags") or []):
+            break
+        if cell.cell_type != "markdown":
+            continue
+        text = cell.source[_EXERCISES.search(cell.source).start() :] if i == start else cell.source
+        numbers |= {int(n) for n in re.findall(r"\*\*Exercise (\d+)\.\*\*", text)}
+        if i == start:
+            numbers |= {int(n) for n in re.findall(r"(?m)^(\d+)\. ", text)}
+    return numbers
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_exercise_is_checked_in_the_class_copy(path: Path) -> None:
+    """Each exercise's check lives outside the solution cells (so `make student`'s copies keep
+    it), runs with the exercise unanswered, and says it is not done yet."""
+    cells = nbformat.read(path, as_version=4).cells
+    numbers = _exercise_numbers(cells)
+    assert numbers, f"{path.name}: no exercises found"
+    shown = "".join(
+        o.get("text", "")
+        for c in cells
+        if c.cell_type == "code" and "solution" not in (c.metadata.get("tags") or [])
+        for o in c.outputs
+    )
+    for n in sorted(numbers):
+        assert re.search(rf"exercise {n}: not (attempted )?yet", shown), (
+            f"{path.name}: exercise {n}"
+        )
