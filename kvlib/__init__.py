@@ -24,6 +24,7 @@ module                what it holds                                             
 ``kernels``           a fused Triton decode-attention kernel over packed codes        09
 ``fused_attention``   routing transformers' attention to that kernel                  09
 ``queries``           the attention queries a forward pass computes (eviction hooks)  10
+``sliding``           a sliding-window layer for hybrid models' sliding layers        04, 10
 ``engine_support``    which KV types vLLM and llama.cpp run where, read from sources  08
 *techniques*
 ``recipes``           KV quantization recipes (KIVI layout, rotation, windows)        02, 03
@@ -108,6 +109,7 @@ _SUBMODULES = (
     "retrieval",
     "rope",
     "serving",
+    "sliding",
     "specs",
     "summary",
     "validate",

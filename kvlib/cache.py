@@ -64,9 +64,18 @@ runs the Triton kernel of :mod:`kvlib.kernels` over the codes, unpacking them in
 rotating the query instead of the keys. Prefill, CPU tensors, models on eager/flash/flex
 attention and ``fused_decode=False`` take the torch path above.
 
-Limits: only ``"full_attention"`` layers (sliding-window, chunked, linear-attention or shared
-layers raise ``ValueError``); no ``crop`` (assisted decoding); float16 scales fall back to
-float32 per quantized block where float16 cannot hold them (see :mod:`kvlib.quant`).
+Hybrid models (Gemma 2/3: sliding-window layers between global ones): only the
+``"full_attention"`` layers are quantized as above. A ``"sliding_attention"`` layer is a
+:class:`kvlib.sliding.SlidingWindowLayer`: its last ``sliding_window`` tokens in
+``window_dtype``, nothing quantized (a window of a few hundred tokens is small, and all of it is
+read at every step), so ``nbytes()`` counts ``min(T, sliding_window)`` full-precision tokens
+there, as :mod:`kvlib.memory` does (:func:`kvlib.memory.quantized_cache_bytes` predicts the
+whole cache byte for byte).
+
+Limits: ``"full_attention"`` and ``"sliding_attention"`` layers only (chunked,
+linear-attention or shared layers raise ``ValueError``); no ``crop`` (assisted decoding);
+float16 scales fall back to float32 per quantized block where float16 cannot hold them (see
+:mod:`kvlib.quant`; the byte prediction then falls short by their extra bytes).
 """
 
 from __future__ import annotations
@@ -88,6 +97,7 @@ from kvlib.cache_layout import (
 from kvlib.fused_attention import FusedStep
 from kvlib.kernels import PackedKV, interpreter_mode, triton_available
 from kvlib.quant import QuantizedTensor, hadamard, quantize
+from kvlib.sliding import SlidingWindowLayer
 from kvlib.specs import kv_geometry
 from kvlib.validate import check_bits, check_int
 
@@ -546,7 +556,8 @@ class QuantizedKVCache(Cache):
 
     Args:
         config: the model's config (a transformers ``PretrainedConfig``); every decoder layer
-            must be ``"full_attention"``.
+            must be ``"full_attention"`` (quantized) or ``"sliding_attention"`` (its window
+            kept in ``window_dtype``, see the module docstring).
         bits: bits per key and value code, one of 2, 3, 4, 8.
         key_bits, value_bits: override ``bits`` for keys or values.
         group_size: channels per value group (per-token quantization); must divide head_dim.
@@ -615,19 +626,18 @@ class QuantizedKVCache(Cache):
             raise ValueError(
                 f"rotate=True needs head_dim to be a power of two (got head_dim {head_dim})"
             )
-        types = compat.layer_types(config)
-        bad = sorted({t for t in types if t != "full_attention"})
-        if bad:
-            raise ValueError(
-                f"QuantizedKVCache supports only full_attention layers; this config has "
-                f"{', '.join(bad)} layers (use a DynamicCache for sliding-window/hybrid models)"
-            )
+        windows = compat.layer_windows(config, "QuantizedKVCache")
         self.bits, self.key_bits, self.value_bits = bits, key_bits, value_bits
         self.group_size, self.residual_length = group_size, residual_length
         self.key_group_size = key_group_size
         self.sink_tokens, self.rotate, self.head_dim = sink_tokens, rotate, head_dim
         self.rotation = hadamard(head_dim) if rotate else None
-        layers = [
+        if window_dtype is not None and window_dtype not in _WINDOW_DTYPES:
+            raise ValueError(
+                f"window_dtype must be None or one of float16, bfloat16, float32, float64 "
+                f"(got {window_dtype})"
+            )
+        layers: list[CacheLayerMixin] = [
             QuantizedKVLayer(
                 key_bits,
                 value_bits,
@@ -639,12 +649,15 @@ class QuantizedKVCache(Cache):
                 key_group_size=key_group_size,
                 fused_decode=_check_fused_decode(fused_decode),
             )
-            for _ in types
+            if window is None
+            else SlidingWindowLayer(window, window_dtype, fp16_if_wider=True)
+            for window in windows
         ]
         self.fused_decode = fused_decode
         last_step: list[FusedStep | None] = [None]
         for layer in layers:
-            layer.config, layer._last_step = text, last_step
+            if isinstance(layer, QuantizedKVLayer):
+                layer.config, layer._last_step = text, last_step
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
@@ -668,7 +681,8 @@ class QuantizedKVCache(Cache):
         return total
 
     def fp16_nbytes(self) -> int:
-        """Bytes an fp16 DynamicCache would hold for the same tokens."""
+        """Bytes an fp16 DynamicCache would hold for the same tokens (sliding layers:
+        ``min(T, sliding_window)`` tokens, as :func:`kvlib.memory.kv_cache_bytes` counts)."""
         return sum(layer.fp16_nbytes() for layer in self.layers)
 
     def compression_ratio(self) -> float:

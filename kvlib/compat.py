@@ -14,6 +14,8 @@ the helpers below, so a rename is fixed here once:
   per-layer tensors, its tensors back, a deep copy (notebook 05);
 - :func:`prefill_cache` — run a prefix through a model and keep its DynamicCache;
 - :func:`layer_types` — the attention layer types a config declares;
+- :func:`layer_windows` — each layer's sliding window (``None`` for full attention), for
+  the caches that serve full and sliding-window layers only;
 - :func:`layer_nbytes` / :func:`cache_nbytes` — bytes really held by a cache (every packed
   code, scale, zero point and full-precision residual), for transformers' layers and kvlib's.
 """
@@ -124,6 +126,42 @@ def layer_types(config: Any) -> list[str]:
     text_config = config.get_text_config(decoder=True)
     types, _ = get_layer_types_and_kwargs(text_config)
     return list(types)
+
+
+#: The layer types kvlib's own caches serve (:func:`layer_windows`).
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(config: Any, owner: str = "this cache") -> list[int | None]:
+    """Per decoder layer of ``config``, its sliding window (``"sliding_attention"`` layers) or
+    ``None`` (``"full_attention"``), read as transformers' ``DynamicCache`` reads them.
+
+    Raises:
+        ValueError: another layer type (chunked, linear attention, shared "dummy" layers...),
+            naming ``owner``.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text_config = config.get_text_config(decoder=True)
+    types, kwargs = get_layer_types_and_kwargs(text_config)
+    bad = sorted({t for t in types if t not in SERVED_LAYER_TYPES})
+    if bad:
+        raise ValueError(
+            f"{owner} supports full_attention and sliding_attention layers; this config has "
+            f"{', '.join(bad)} layers (use a DynamicCache)"
+        )
+    windows: list[int | None] = []
+    for t, kw in zip(types, kwargs, strict=True):
+        if t == "sliding_attention":
+            window = kw.get("sliding_window")
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise ValueError(
+                    f"{owner}: a sliding_attention layer needs sliding_window >= 1 (got {window!r})"
+                )
+            windows.append(window)
+        else:
+            windows.append(None)
+    return windows
 
 
 def dynamic_cache(config: Any = None) -> Any:

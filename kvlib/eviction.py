@@ -33,8 +33,16 @@ transformers' ``LlamaAttention`` does, like kvpress's hooks) and hands them to t
 which computes the weights from them and the keys it returns. ``streaming`` and ``knorm`` need
 no queries.
 
-Limits: ``full_attention`` layers only (Llama-style attention modules for the query hook), no
-``crop`` (assisted decoding), batch rows without padding.
+**Hybrid models** (Gemma 2/3): eviction happens on the ``full_attention`` layers only. A
+``sliding_attention`` layer is a :class:`kvlib.sliding.SlidingWindowLayer`: its last
+``sliding_window`` tokens in ``dtype`` (the model's by default; not quantized, whatever
+``bits``), no policy inside the window, which is already the most recent tokens. ``budget``
+and :meth:`EvictionCache.kept` are those of the full layers; ``max_bytes`` first sets aside
+the sliding layers' full windows, then gives the rest to the full layers.
+
+Limits: ``full_attention`` and ``sliding_attention`` layers only (Llama-style attention
+modules for the query hook: q_proj, an optional q_norm, RoPE), no ``crop`` (assisted
+decoding), batch rows without padding.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from kvlib import eviction_scores as es
 from kvlib.cache import default_group_size
 from kvlib.quant import QuantizedTensor, hadamard, quantize
 from kvlib.queries import capture_queries, recorded_queries
+from kvlib.sliding import SlidingWindowLayer
 from kvlib.specs import kv_geometry
 from kvlib.validate import check_bits, check_int
 
@@ -476,9 +485,11 @@ class EvictionCache(Cache):
     """A transformers cache that keeps at most ``budget`` tokens per layer and KV head.
 
     Args:
-        config: the model's transformers config; every layer must be ``full_attention``.
+        config: the model's transformers config; every layer must be ``full_attention``
+            (evicted) or ``sliding_attention`` (its window kept, see the module docstring),
+            at least one of them full.
         policy: one of :data:`POLICIES`.
-        budget: tokens kept per layer and KV head (``>= 1``, ``> sinks``); or give
+        budget: tokens kept per full-attention layer and KV head (``>= 1``, ``> sinks``); or give
         max_bytes: the most bytes the whole cache may hold per sequence; the budget is the
             largest that fits (:func:`token_nbytes` per token and layer).
         sinks: first tokens always kept (default 4 for ``streaming``, else 0).
@@ -495,7 +506,8 @@ class EvictionCache(Cache):
     Raises:
         TypeError / ValueError: unknown policy, a budget that is not an int >= 1 (or does not
             exceed ``sinks``), both or neither of ``budget`` and ``max_bytes``, a byte budget
-            too small for one token per layer, non-full-attention layers.
+            too small for one token per layer (after the sliding windows), layer types
+            other than full and sliding attention, no full-attention layer.
     """
 
     def __init__(
@@ -521,10 +533,13 @@ class EvictionCache(Cache):
             check_bits(bits)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype or None (got {dtype!r})")
-        types = compat.layer_types(config)
-        bad = sorted({t for t in types if t != "full_attention"})
-        if bad:
-            raise ValueError(f"EvictionCache supports only full_attention layers (got {bad})")
+        windows = compat.layer_windows(config, "EvictionCache")
+        n_full = windows.count(None)
+        if not n_full:
+            raise ValueError(
+                "EvictionCache needs at least one full_attention layer to evict from (every "
+                "layer of this config is sliding_attention: a DynamicCache already bounds it)"
+            )
         geo = kv_geometry(config.get_text_config(decoder=True))
         if (budget is None) == (max_bytes is None):
             raise ValueError("give exactly one of budget (tokens per layer) and max_bytes")
@@ -532,26 +547,30 @@ class EvictionCache(Cache):
         if max_bytes is not None:
             max_bytes = check_int(max_bytes, "max_bytes", minimum=1)
             store = {"dtype": dtype or _config_dtype(config), "group_size": group_size}
-            per = len(types) * token_nbytes(
-                geo.head_dim, geo.num_kv_heads, policy, bits=bits, **store
+            # the sliding layers' full windows first (float keys and values, no state)
+            width = torch.finfo(store["dtype"]).bits // 8
+            window_bytes = sum(
+                2 * geo.num_kv_heads * geo.head_dim * width * w for w in windows if w
             )
+            room = max_bytes - window_bytes
+            per = n_full * token_nbytes(geo.head_dim, geo.num_kv_heads, policy, bits=bits, **store)
             if bits is not None and residual:  # float tokens first, at most half the bytes
-                float_per = len(types) * token_nbytes(
-                    geo.head_dim, geo.num_kv_heads, policy, **store
-                )
-                residual = min(residual, max_bytes // 2 // float_per)
-                budget = residual + (max_bytes - residual * float_per) // per
+                float_per = n_full * token_nbytes(geo.head_dim, geo.num_kv_heads, policy, **store)
+                residual = min(residual, max(room, 0) // 2 // float_per)
+                budget = residual + (room - residual * float_per) // per
             else:
-                budget = max_bytes // per
+                budget = room // per
             if budget < 1:
                 raise ValueError(
-                    f"max_bytes {max_bytes} holds no token in every layer; accepted: >= {per} "
-                    f"({len(types)} layers x {per // len(types)} bytes per token)"
+                    f"max_bytes {max_bytes} holds no token in every layer; accepted: >= "
+                    f"{window_bytes + per} ({n_full} full layers x {per // n_full} bytes per "
+                    f"token"
+                    + (f", plus {window_bytes} for the sliding windows)" if window_bytes else ")")
                 )
         self.budget, self.bits, self.max_bytes = budget, bits, max_bytes
         rotate = bits is not None and bits < 8 and not geo.head_dim & (geo.head_dim - 1)
         self.rotation = hadamard(geo.head_dim) if rotate else None
-        layers = [
+        layers: list[CacheLayerMixin] = [
             EvictionLayer(
                 policy,
                 budget,
@@ -563,8 +582,11 @@ class EvictionCache(Cache):
                 group_size=group_size,
                 rotation=self.rotation,
             )
-            for _ in types
+            if sliding_window is None
+            else SlidingWindowLayer(sliding_window, dtype)
+            for sliding_window in windows
         ]
+        self._first_full = windows.index(None)
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
@@ -575,8 +597,9 @@ class EvictionCache(Cache):
         )
 
     def kept(self) -> int:
-        """Tokens kept per KV head in layer 0."""
-        return self.layers[0].kept()
+        """Tokens kept per KV head in the first full-attention layer (layer 0 unless the
+        model has sliding-window layers)."""
+        return self.layers[self._first_full].kept()
 
     def nbytes(self) -> int:
         """Exact bytes held by all layers (the shared Hadamard matrix, a constant, excluded)."""

@@ -19,6 +19,10 @@ zero-point per group of ``group_size`` values along ``head_dim`` (or along the M
 added: ``group_meta_bits=32`` per group. Formats that keep a scale alone pass
 ``group_meta_bits=16`` (llama.cpp's ``q8_0``/``q4_0``: blocks of 32 values, one fp16 scale).
 
+:func:`quantized_cache_bytes` is the exact count for :class:`kvlib.cache.QuantizedKVCache`'s own
+layout (packed blocks, per-channel key and per-token value metadata, full-precision sinks and
+window, sliding layers at their window), which the cache's ``nbytes()`` meets byte for byte.
+
 GPU memory is counted in GiB (2³⁰ bytes), the unit nvidia-smi, ``torch.cuda.mem_get_info`` and
 vLLM report and the one an "80 GB" HBM card means: see :data:`GPUS`.
 """
@@ -42,6 +46,7 @@ __all__ = [
     "kv_cache_bytes",
     "max_batch",
     "max_context",
+    "quantized_cache_bytes",
     "vllm_kv_capacity_tokens",
 ]
 
@@ -189,6 +194,81 @@ def kv_bytes_per_token(
     return _ceil_div(
         _bits_per_token_per_layer(spec, bits, group_size, group_meta_bits) * spec.num_layers, 8
     )
+
+
+def quantized_cache_bytes(
+    spec: specs.ModelSpec | str,
+    seq_len: int,
+    batch_size: int = 1,
+    *,
+    key_bits: int,
+    value_bits: int,
+    group_size: int,
+    key_group_size: int,
+    residual_length: int,
+    sink_tokens: int,
+    window_bits: int = 16,
+    rotate: bool = False,
+) -> int:
+    """Bytes :class:`kvlib.cache.QuantizedKVCache` holds after ``seq_len`` tokens, exactly.
+
+    A full-attention layer holds, per sequence and KV head, with ``s = min(seq_len,
+    sink_tokens)``, ``n = (seq_len - s) // residual_length`` quantized blocks and ``r =
+    seq_len - s - n × residual_length`` tokens in the window:
+
+    * ``s + r`` tokens of keys and values at ``window_bits``;
+    * per block, the packed codes (``residual_length × head_dim × bits / 8`` bytes for keys and
+      for values), one fp16 scale and zero point per channel for every ``key_group_size``
+      tokens (keys, per channel) and per token for every ``group_size`` channels (values).
+
+    A sliding-window layer holds its last ``min(seq_len, sliding_window)`` tokens at
+    ``window_bits`` (:meth:`~kvlib.specs.ModelSpec.tokens_cached`, as :func:`kv_cache_bytes`
+    counts them). ``rotate`` adds the shared ``head_dim × head_dim`` float32 Hadamard matrix.
+    The options are the cache's resolved ones (``cache.key_group_size``, ...). Not counted:
+    the float32 scales a block falls back to when float16 cannot hold its scales.
+
+    Raises:
+        ValueError: an MLA spec (the cache stores per-head keys and values), group sizes that
+            do not divide ``head_dim`` / ``residual_length``, a block whose codes do not fill
+            whole bytes, bad bits.
+    """
+    spec = _check_spec(spec)
+    if spec.is_mla:
+        raise ValueError("quantized_cache_bytes prices per-head keys and values, not an MLA latent")
+    seq_len = check_int(seq_len, "seq_len", minimum=0)
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    key_bits, value_bits = check_bits(key_bits, "key_bits"), check_bits(value_bits, "value_bits")
+    window_bits = check_bits(window_bits, "window_bits", allowed=(16, 32, 64))
+    block = check_int(residual_length, "residual_length", minimum=1)
+    sinks = check_int(sink_tokens, "sink_tokens", minimum=0)
+    dk, dv = spec.head_dim, spec.v_head_dim
+    group_size = check_int(group_size, "group_size", minimum=1)
+    key_group_size = check_int(key_group_size, "key_group_size", minimum=1)
+    if dv % group_size or block % key_group_size or (block * dk) % 8 or (block * dv) % 8:
+        raise ValueError(
+            f"group_size must divide head_dim {dv}, key_group_size residual_length {block}, "
+            f"and residual_length * head_dim be a multiple of 8 (got {group_size}, "
+            f"{key_group_size}, {block})"
+        )
+    block_bytes = (
+        block * dk * key_bits // 8
+        + block * dv * value_bits // 8
+        + (block // key_group_size) * dk * 2 * 2
+        + block * (dv // group_size) * 2 * 2
+    )
+    token_bytes = (dk + dv) * window_bits // 8
+    total = 0
+    for kind, tokens in zip(spec.layer_kinds, spec.tokens_cached(seq_len), strict=True):
+        if kind == "sliding":
+            total += tokens * token_bytes
+            continue
+        s = min(tokens, sinks)
+        n = (tokens - s) // block
+        total += (tokens - n * block) * token_bytes + n * block_bytes
+    total *= spec.num_kv_heads * batch_size
+    if rotate:
+        total += dk * dk * 4
+    return total
 
 
 # -- what fits ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, MistralConfig
+from transformers import LlamaConfig
 
 from kvlib import compat, quality
 from kvlib.cache import QuantizedKVCache, QuantizedKVLayer
@@ -437,17 +437,18 @@ def test_bad_input():
         QuantizedKVCache(cfg, 4, group_size=8, window_dtype=torch.int8)
     with pytest.raises(TypeError, match="PretrainedConfig"):
         QuantizedKVCache({"num_hidden_layers": 2}, 4)
-    sliding = MistralConfig(
-        sliding_window=64,
+    chunked = LlamaConfig(  # sliding layers are served (tests/test_hybrid_layers.py)
         num_hidden_layers=2,
         hidden_size=64,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=64,
         vocab_size=100,
+        layer_types=["chunked_attention", "full_attention"],
+        attention_chunk_size=8,
     )
-    with pytest.raises(ValueError, match="only full_attention layers.*sliding_attention"):
-        QuantizedKVCache(sliding, 4, group_size=8)
+    with pytest.raises(ValueError, match="full_attention and sliding_attention.*chunked"):
+        QuantizedKVCache(chunked, 4, group_size=8)
     # states that do not match what is cached
     layer = QuantizedKVCache(cfg, 4, group_size=8).layers[0]
     layer.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))

@@ -1,0 +1,273 @@
+"""Hybrid models (sliding-window layers between global ones) in kvlib's caches: a tiny random
+Gemma 3 text model (5 sliding : 1 global, one KV head), no weights downloaded.
+
+QuantizedKVCache and EvictionCache keep each sliding layer's last ``sliding_window`` tokens
+(kvlib.sliding), the model's outputs follow a DynamicCache's, and ``nbytes()`` is
+kvlib.memory's prediction byte for byte, below and above the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig
+
+from kvlib import compat, memory, specs
+from kvlib.cache import QuantizedKVCache, QuantizedKVLayer
+from kvlib.eviction import EvictionCache, EvictionLayer, capture_queries, token_nbytes
+from kvlib.sliding import SlidingWindowLayer
+
+WINDOW = 16
+HEAD_DIM = 64
+VOCAB = 128
+
+
+def gemma3_config(window: int = WINDOW) -> Gemma3TextConfig:
+    """Gemma 3 270M's shape, shrunk: 6 layers (5 sliding, 1 global), one KV head."""
+    cfg = Gemma3TextConfig(
+        num_hidden_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=HEAD_DIM,
+        sliding_window=window,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        query_pre_attn_scalar=HEAD_DIM,
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Gemma3ForCausalLM:
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(gemma3_config()).eval()
+    with torch.no_grad():  # random weights: make the attention sharp enough to matter
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0)
+    return model
+
+
+def ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def chunked_logits(model, tokens: torch.Tensor, cache, chunks: list[int]) -> torch.Tensor:
+    """Last-position logits of every forward pass, feeding ``tokens`` in ``chunks``."""
+    out, start = [], 0
+    for n in chunks:
+        logits = compat.forward(model, tokens[:, start : start + n], cache).logits
+        out.append(logits[:, -1].float())
+        start += n
+    return torch.cat(out)
+
+
+def quantized(cfg, bits: int = 8, **options) -> QuantizedKVCache:
+    options = {"residual_length": 8, "sink_tokens": 2, **options}
+    return QuantizedKVCache(cfg, bits, **options)
+
+
+def predicted(cache: QuantizedKVCache, cfg, seq_len: int) -> int:
+    window_bits = torch.finfo(cache.layers[-1].window_dtype).bits
+    return memory.quantized_cache_bytes(
+        specs.spec_from_config(cfg),
+        seq_len,
+        key_bits=cache.key_bits,
+        value_bits=cache.value_bits,
+        group_size=cache.group_size,
+        key_group_size=cache.key_group_size,
+        residual_length=cache.residual_length,
+        sink_tokens=cache.sink_tokens,
+        window_bits=window_bits,
+        rotate=cache.rotate,
+    )
+
+
+def test_layers_follow_the_configs_layer_types():
+    cfg = gemma3_config()
+    assert compat.layer_windows(cfg) == [WINDOW] * 5 + [None]
+    q = quantized(cfg)
+    assert [type(layer) for layer in q.layers] == [SlidingWindowLayer] * 5 + [QuantizedKVLayer]
+    assert q.is_sliding == [True] * 5 + [False]
+    e = EvictionCache(cfg, "streaming", 24)
+    assert [type(layer) for layer in e.layers] == [SlidingWindowLayer] * 5 + [EvictionLayer]
+
+
+def test_quantized_cache_follows_a_dynamic_cache_past_the_window(gemma):
+    """Prefill longer than the window, then chunks and single tokens: the window layers are
+    exact up to float16, the global layer is int8; the logits stay with the reference."""
+    cfg, tokens, chunks = gemma.config, ids(60), [37, 5, 1, 1, 16]
+    ref = chunked_logits(gemma, tokens, compat.dynamic_cache(cfg), chunks)
+    cache = quantized(cfg, 8)
+    got = chunked_logits(gemma, tokens, cache, chunks)
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() <= 0.02 * scale, ((got - ref).abs().max(), scale)
+    assert cache.get_seq_length() == 60
+    for layer in cache.layers[:5]:
+        assert layer.kept() == WINDOW and layer.keys.dtype == torch.float16
+    # nothing quantized yet (one 64-token block) and float32 windows: the reference, up to
+    # float rounding (the masked extra token of each window changes the summation order)
+    exact = quantized(cfg, 8, window_dtype=torch.float32, sink_tokens=0, residual_length=64)
+    torch.testing.assert_close(chunked_logits(gemma, tokens, exact, chunks), ref)
+
+
+def test_generate_runs_with_both_caches(gemma):
+    prompt = ids(20, seed=1)
+    ref = compat.generate(gemma, prompt, compat.dynamic_cache(gemma.config), max_new_tokens=12)
+    q = compat.generate(gemma, prompt, quantized(gemma.config, 8), max_new_tokens=12)
+    assert q.shape == ref.shape == (1, 32)
+    cache = EvictionCache(gemma.config, "streaming", 64)  # budget above the length: no eviction
+    e = compat.generate(gemma, prompt, cache, max_new_tokens=12)
+    assert torch.equal(e, ref)
+    assert cache.kept() == 31 and all(layer.kept() == WINDOW for layer in cache.layers[:5])
+
+
+def test_eviction_cache_evicts_global_layers_only(gemma):
+    cfg, tokens, chunks = gemma.config, ids(56, seed=2), [30, 1, 1, 24]
+    ref = chunked_logits(gemma, tokens, compat.dynamic_cache(cfg), chunks)
+    roomy = EvictionCache(cfg, "h2o", 100)
+    with capture_queries(gemma):  # the query hook reads Gemma's q_norm and scaling
+        same = chunked_logits(gemma, tokens, roomy, chunks)
+    assert torch.allclose(same, ref, atol=1e-5)
+    for bits in (None, 4):
+        cache = EvictionCache(cfg, "streaming", 24, bits=bits)
+        chunked_logits(gemma, tokens, cache, chunks)
+        assert cache.kept() == 24 and cache.get_seq_length() == 56
+        for layer in cache.layers[:5]:  # the window, in the model's dtype, quantized cache or not
+            assert layer.kept() == WINDOW and layer.keys.dtype == torch.float32
+        sliding = 5 * 2 * WINDOW * HEAD_DIM * 4
+        per = token_nbytes(HEAD_DIM, 1, "streaming", bits=bits, dtype=torch.float32)
+        assert cache.nbytes() == sliding + 24 * per
+        # memory prices the sliding layers the same way: 5 windows of float32 keys and values
+        spec = specs.spec_from_config(cfg)
+        full_only = memory.kv_cache_bytes(spec, 56, bits=32) - 5 * 2 * WINDOW * HEAD_DIM * 4
+        assert full_only == 56 * 2 * HEAD_DIM * 4
+
+
+def test_eviction_max_bytes_sets_the_windows_aside():
+    cfg = gemma3_config()
+    windows = 5 * 2 * WINDOW * HEAD_DIM * 4  # float32 config dtype
+    per = token_nbytes(HEAD_DIM, 1, "streaming", dtype=torch.float32)
+    cache = EvictionCache(cfg, "streaming", max_bytes=windows + 40 * per + 3)
+    assert cache.budget == 40
+    with pytest.raises(ValueError, match="plus 40960 for the sliding windows"):
+        EvictionCache(cfg, "streaming", max_bytes=windows + per - 1)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_nbytes_is_memorys_prediction_byte_for_byte(gemma, bits):
+    """Below the window, at it, past it, and past several blocks of the global layer."""
+    cfg = gemma.config
+    cache = quantized(cfg, bits)
+    spec = specs.spec_from_config(cfg)
+    seen = 0
+    for n in (5, 10, 1, 7, 1, 20, 3):
+        compat.forward(gemma, ids(n, seed=seen), cache)
+        seen += n
+        assert cache.nbytes() == predicted(cache, cfg, seen), seen
+        # and the fp16 reference is kv_cache_bytes, sliding layers capped at the window
+        assert cache.fp16_nbytes() == memory.kv_cache_bytes(spec, seen, bits=16)
+    assert seen == 47 and cache.layers[0].kept() == WINDOW
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    chunks=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    window=st.integers(1, 24),
+    bits=st.sampled_from([2, 4, 8]),
+)
+def test_sliding_layers_hold_min_length_window(chunks, window, bits):
+    """Fed states directly (no model): every sliding layer holds the last min(T, window)
+    tokens, returns all it held plus the new ones, and the bytes are the prediction."""
+    cfg = gemma3_config(window)
+    cache = quantized(cfg, bits, residual_length=8, sink_tokens=1)
+    gen = torch.Generator().manual_seed(len(chunks))
+    total = sum(chunks)
+    k = torch.randn(1, 1, total, HEAD_DIM, generator=gen)
+    v = torch.randn(1, 1, total, HEAD_DIM, generator=gen)
+    seen = 0
+    for n in chunks:
+        held = min(seen, window)
+        keys, _ = cache.update(k[:, :, seen : seen + n], v[:, :, seen : seen + n], 0)
+        for i in range(1, 6):
+            cache.update(k[:, :, seen : seen + n], v[:, :, seen : seen + n], i)
+        assert keys.shape[2] == held + n
+        assert cache.layers[0].get_mask_sizes(1) == (
+            min(seen + n, window) + 1,
+            seen + n - min(seen + n, window),
+        )
+        seen += n
+        layer = cache.layers[0]
+        assert layer.kept() == min(seen, window) and layer.get_seq_length() == seen
+        torch.testing.assert_close(
+            layer.keys.float(), k[:, :, seen - layer.kept() : seen].half().float()
+        )
+        assert cache.nbytes() == predicted(cache, cfg, seen)
+
+
+def test_unserved_layer_types_still_fail_clearly():
+    chunked = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+        layer_types=["chunked_attention", "full_attention"],
+        attention_chunk_size=8,
+    )
+    for make in (lambda c: QuantizedKVCache(c, 4), lambda c: EvictionCache(c, "knorm", 8)):
+        with pytest.raises(ValueError, match="full_attention and sliding_attention.*chunked"):
+            make(chunked)
+    all_sliding = gemma3_config()
+    all_sliding.layer_types = ["sliding_attention"] * 6
+    assert all(isinstance(x, SlidingWindowLayer) for x in quantized(all_sliding).layers)
+    with pytest.raises(ValueError, match="at least one full_attention layer"):
+        EvictionCache(all_sliding, "streaming", 8)
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        SlidingWindowLayer(0)
+    with pytest.raises(ValueError, match="MLA latent"):
+        memory.quantized_cache_bytes(
+            specs.get_spec("deepseek-v2-lite"),
+            8,
+            key_bits=4,
+            value_bits=4,
+            group_size=32,
+            key_group_size=32,
+            residual_length=128,
+            sink_tokens=4,
+        )
+    layer = SlidingWindowLayer(4)
+    layer.update(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8))
+    with pytest.raises(ValueError, match="batch=1, kv_heads=1, seq_len, head_dim=8"):
+        layer.update(torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8))
+    with pytest.raises(NotImplementedError, match="cannot crop"):
+        layer.crop(1)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_prediction_also_holds_for_smollm2_with_the_defaults(bits):
+    """The same function on a full-attention model: SmolLM2-135M's geometry, the cache's
+    defaults (int2 rotates its keys: the Hadamard matrix counts), 300 tokens fed directly."""
+    spec = specs.get_spec("smollm2-135m")
+    cfg = LlamaConfig(
+        num_hidden_layers=spec.num_layers,
+        hidden_size=spec.num_heads * spec.head_dim,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    cache = QuantizedKVCache(cfg, bits)
+    k = torch.randn(1, spec.num_kv_heads, 300, spec.head_dim)
+    for i in range(spec.num_layers):
+        cache.update(k[:, :, :290], k[:, :, :290], i)
+        cache.update(k[:, :, 290:], k[:, :, 290:], i)
+    assert cache.rotate == (bits == 2)
+    assert specs.spec_from_config(cfg).tokens_cached(300) == spec.tokens_cached(300)
+    assert cache.nbytes() == predicted(cache, cfg, 300)
+    assert cache.fp16_nbytes() == memory.kv_cache_bytes(spec, 300, bits=16)
