@@ -126,6 +126,38 @@ def test_generate_runs_with_both_caches(gemma):
     assert cache.kept() == 31 and all(layer.kept() == WINDOW for layer in cache.layers[:5])
 
 
+def test_fused_decode_runs_on_the_global_layer_only(monkeypatch):
+    """The fused kernel (Triton's interpreter on CPU) reads the quantized global layer; the
+    sliding layers go to sdpa with the sliding mask: the same tokens as the torch path."""
+    from kvlib import fused_attention, kernels
+
+    torch.manual_seed(0)
+    cfg = gemma3_config()
+    cfg._attn_implementation = "sdpa"
+    model = Gemma3ForCausalLM(cfg).eval()
+    prompt = ids(21, seed=3)
+    calls = []
+    real = kernels._triton_decode
+    monkeypatch.setattr(kernels, "_triton_decode", lambda *a: calls.append(1) or real(*a))
+    kw = {"residual_length": 8, "sink_tokens": 2, "window_dtype": torch.float32}
+
+    def run(fused: bool):
+        cache = quantized(cfg, 4, fused_decode=fused, **kw)
+        out = compat.generate(
+            model, prompt, cache, max_new_tokens=6, output_scores=True, return_dict_in_generate=True
+        )
+        return out, cache
+
+    (ref, ref_cache), n_torch = run(False), len(calls)
+    (out, cache), n_fused = run(True), len(calls)
+    assert n_torch == 0 and n_fused == 5  # 5 decode steps, one global layer
+    assert cfg._attn_implementation == fused_attention.ATTN_IMPLEMENTATION
+    assert torch.equal(out.sequences, ref.sequences)
+    err = max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores, strict=True))
+    assert err < 1e-4, err
+    assert cache.nbytes() == ref_cache.nbytes() == predicted(cache, cfg, 26)
+
+
 def test_eviction_cache_evicts_global_layers_only(gemma):
     cfg, tokens, chunks = gemma.config, ids(56, seed=2), [30, 1, 1, 24]
     ref = chunked_logits(gemma, tokens, compat.dynamic_cache(cfg), chunks)
