@@ -303,3 +303,18 @@ def test_prediction_also_holds_for_smollm2_with_the_defaults(bits):
     assert specs.spec_from_config(cfg).tokens_cached(300) == spec.tokens_cached(300)
     assert cache.nbytes() == predicted(cache, cfg, 300)
     assert cache.fp16_nbytes() == memory.kv_cache_bytes(spec, 300, bits=16)
+
+
+def test_sliding_layer_batch_operations_move_rows_together():
+    layer = SlidingWindowLayer(4, torch.float16)
+    k = torch.arange(2 * 6, dtype=torch.float32).view(2, 1, 6, 1).expand(2, 1, 6, 8)
+    layer.update(k, -k)
+    assert layer.kept() == 4 and layer.nbytes() == 2 * 2 * 4 * 8 * 2
+    layer.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(layer.keys[0, 0, :, 0].float(), torch.tensor([8.0, 9, 10, 11]))
+    layer.batch_repeat_interleave(2)
+    assert layer.batch_size == 4 and torch.equal(layer.values[3], -layer.keys[3])
+    layer.batch_select_indices(torch.tensor([0, 3]))
+    assert layer.keys.shape == (2, 1, 4, 8) and layer.get_seq_length() == 6
+    layer.reset()
+    assert layer.nbytes() == 0 and layer.get_seq_length() == 0 and layer.kept() == 0
