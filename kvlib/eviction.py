@@ -606,7 +606,8 @@ class EvictionCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     def fp16_nbytes(self) -> int:
-        """Bytes an fp16 DynamicCache would hold for every token seen."""
+        """Bytes an fp16 DynamicCache would hold for every token seen (a sliding layer: its
+        window, ``min(seen, sliding_window)`` tokens)."""
         return sum(layer.fp16_nbytes() for layer in self.layers)
 
     def compression_ratio(self) -> float:

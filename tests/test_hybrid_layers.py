@@ -7,6 +7,8 @@ kvlib.memory's prediction byte for byte, below and above the window."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -171,13 +173,13 @@ def test_eviction_cache_evicts_global_layers_only(gemma):
         assert cache.kept() == 24 and cache.get_seq_length() == 56
         for layer in cache.layers[:5]:  # the window, in the model's dtype, quantized cache or not
             assert layer.kept() == WINDOW and layer.keys.dtype == torch.float32
-        sliding = 5 * 2 * WINDOW * HEAD_DIM * 4
-        per = token_nbytes(HEAD_DIM, 1, "streaming", bits=bits, dtype=torch.float32)
-        assert cache.nbytes() == sliding + 24 * per
-        # memory prices the sliding layers the same way: 5 windows of float32 keys and values
+        # the sliding layers are kvlib.memory's price of them (float32 windows), the full
+        # layer eviction's own price per kept token (keys, values, position)
         spec = specs.spec_from_config(cfg)
-        full_only = memory.kv_cache_bytes(spec, 56, bits=32) - 5 * 2 * WINDOW * HEAD_DIM * 4
-        assert full_only == 56 * 2 * HEAD_DIM * 4
+        windows = dataclasses.replace(spec, num_layers=5, layer_types=("sliding",) * 5)
+        per = token_nbytes(HEAD_DIM, 1, "streaming", bits=bits, dtype=torch.float32)
+        assert cache.nbytes() == memory.kv_cache_bytes(windows, 56, bits=32) + 24 * per
+        assert memory.kv_cache_bytes(windows, 56, bits=32) == 5 * 2 * WINDOW * HEAD_DIM * 4
 
 
 def test_eviction_max_bytes_sets_the_windows_aside():
