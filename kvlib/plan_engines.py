@@ -67,8 +67,9 @@ def transformers_kwargs(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
     ``name`` is a :mod:`kvlib.cache_registry` name (``"dynamic-fp16"``, ``"kvlib-int4"``, …):
     build it with ``kvlib.cache_registry.make_cache(name, model.config)`` (or
     the CLI prints that call) and pass it as ``past_key_values=``; ``n`` is
-    the batch that fits at its bytes. kvlib's quantized caches take full-attention models only,
-    so a model with sliding-window layers gets ``dynamic-fp16``.
+    the batch that fits at its bytes. kvlib's caches keep a sliding-window layer's window in
+    fp16 and quantize only the global layers, which the planner does not price yet, so a model
+    with sliding-window layers gets ``dynamic-fp16``.
 
     Raises:
         ValueError: not one sequence fits at any level transformers runs (``hint`` says what

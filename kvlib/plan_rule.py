@@ -169,8 +169,9 @@ def kv_types(engine: str, spec: ModelSpec, device: str = "gpu") -> dict[str, Eng
     """The KV type ``engine`` uses at each level it can run for ``spec`` on ``device``, highest
     first (:func:`kvlib.engines.planned`, less what its default build does not run well there,
     :func:`kvlib.engines.runs_well`: on a GPU llama.cpp's quantized types need a head size its
-    CUDA decode kernel reads natively; kvlib's quantized caches take full-attention models
-    only, so transformers runs a model with sliding-window layers at fp16)."""
+    CUDA decode kernel reads natively; kvlib's caches keep sliding-window layers in fp16 and
+    quantize only the global ones, which the planner does not price yet, so transformers runs
+    a model with sliding-window layers at fp16)."""
     types = engines.planned(engine)
     if engine == "transformers" and spec.num_sliding_layers > 0:
         return {"fp16": types["fp16"]}

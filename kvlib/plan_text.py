@@ -426,8 +426,9 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
         )
     if spec.num_sliding_layers > 0 and "transformers" in d.options:
         out.append(
-            "sliding-window layers: kvlib's quantized cache (and transformers' QuantizedCache) "
-            "take full-attention models only, so on transformers this model runs an fp16 cache"
+            "sliding-window layers: kvlib's caches keep those windows in fp16 and quantize the "
+            "global layers only, which the planner does not price yet, so on transformers this "
+            "plan keeps an fp16 cache (transformers' QuantizedCache takes full-attention models only)"
         )
     if spec.is_mla and tp > 1:
         out.append(
