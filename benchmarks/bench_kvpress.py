@@ -179,7 +179,7 @@ def main() -> None:
 
     import kvlib
     from kvlib import results, retrieval
-    from kvlib.models import _bundled_copy, bundled_model_path, load_model
+    from kvlib.models import load_model, model_folder
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(device="cpu")
@@ -193,7 +193,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         job = {
-            "model": str(_bundled_copy(bundled_model_path())),
+            "model": str(model_folder()),
             "ratios": list(RATIOS),
             "kept_prompts": args.kept_prompts,
             "prompts": [

@@ -209,10 +209,10 @@ def eval_segments(tokens: int, n_seg: int) -> tuple[str, list[list[int]], Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     import kvlib
-    from kvlib.models import _bundled_copy, bundled_model_path
+    from kvlib.models import model_folder
     from kvlib.specs import spec_from_config
 
-    folder = _bundled_copy(bundled_model_path())
+    folder = model_folder()
     tok = AutoTokenizer.from_pretrained(folder)
     text = kvlib.data.load_eval_text()[: tokens * n_seg * 8 + 1000]
     all_ids = tok(text).input_ids

@@ -20,6 +20,12 @@ name                          cache
 ``hf-fp8``                    transformers' fp8 cache (float8_e4m3fn, one scale per tensor)
 ============================  ===============================================================
 
+On a model that mixes sliding-window and global layers (Gemma 2/3), every quantized cache here
+keeps each sliding layer's window in float16 (:class:`kvlib.sliding.SlidingWindowLayer`) and
+quantizes the global layers only; transformers' own ``QuantizedCache`` refuses such a model, so
+its rows get the same windows (:func:`kvlib.compat.hf_quantized_cache`'s ``sliding_layer``) and
+differ from kvlib's only where the quantizer does.
+
 Token-eviction caches (:class:`kvlib.eviction.EvictionCache`, notebook 10) are named apart, in
 :data:`EVICTION_NAMES`, because their size is a budget rather than a bit width:
 ``evict-<policy>`` keeps float16 keys and values, ``evict-<policy>-int4`` quantizes the kept
@@ -42,6 +48,7 @@ import torch
 
 from kvlib import cache as kvcache
 from kvlib import cache_layout, compat, eviction
+from kvlib.sliding import SlidingWindowLayer
 
 __all__ = [
     "CACHE_NAMES",
@@ -122,8 +129,17 @@ class CacheInfo:
         if self.family == "fp8":
             if merged:
                 raise ValueError(f"{self.name!r} takes no options (got {sorted(merged)})")
-            return lambda: compat.hf_quantized_cache(config, "fp8")
-        return lambda: compat.hf_quantized_cache(config, self.family, self.bits, **merged)
+            return lambda: compat.hf_quantized_cache(config, "fp8", sliding_layer=_window)
+        return lambda: compat.hf_quantized_cache(
+            config, self.family, self.bits, sliding_layer=_window, **merged
+        )
+
+
+def _window(sliding_window: int) -> SlidingWindowLayer:
+    """The layer every cache of the registry gives a hybrid model's sliding-window layers:
+    the window in float16, as :class:`kvlib.cache.QuantizedKVCache` keeps it, so that
+    transformers' quantized caches and kvlib's differ only on the global layers."""
+    return SlidingWindowLayer(sliding_window, fp16_if_wider=True)
 
 
 def _default(func: Callable[..., Any], parameter: str) -> Any:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -275,14 +275,26 @@ def hf_quantized_cache(
     axis_value: int | None = None,
     q_group_size: int | None = None,
     residual_length: int | None = None,
+    sliding_layer: Callable[[int], Any] | None = None,
 ) -> Any:
     """transformers' built-in ``QuantizedCache`` for ``config``.
+
+    transformers refuses a model with sliding-window layers (Gemma 2/3). With ``sliding_layer``
+    such a model gets a ``Cache`` of the same quantized layers on its ``full_attention`` layers
+    and ``sliding_layer(window)`` on each ``sliding_attention`` one, so that a comparison with
+    kvlib's caches (which keep the windows in float16) differs only where the quantizer does.
 
     Args:
         backend: ``"quanto"`` (nbits 2/4, axes 0/-1), ``"hqq"`` (nbits 1/2/3/4/8, axes 0/1) or
             ``"fp8"`` (per-tensor float8, takes no other option).
         nbits, axis_key, axis_value, q_group_size, residual_length: ``None`` keeps the
             backend's default (4 bits, axis 0 for both, groups of 64, residual 128).
+        sliding_layer: builds the layer of a sliding-window layer from its window; ``None``
+            leaves a hybrid model to transformers (which raises).
+
+    Raises:
+        ValueError: an unknown backend, or a hybrid model without ``sliding_layer``
+            (transformers' message), or layer types neither full nor sliding.
     """
     if backend not in HF_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(HF_BACKENDS)} (got {backend!r})")
@@ -295,7 +307,27 @@ def hf_quantized_cache(
         "q_group_size": q_group_size,
         "residual_length": residual_length,
     }
-    return QuantizedCache(backend, config, **{k: v for k, v in options.items() if v is not None})
+    options = {k: v for k, v in options.items() if v is not None}
+    windows = layer_windows(config, f"transformers' QuantizedCache ({backend})")
+    if sliding_layer is None or all(w is None for w in windows):
+        return QuantizedCache(backend, config, **options)
+    from transformers.cache_utils import (
+        Cache,
+        Fp8QuantizedLayer,
+        HQQQuantizedLayer,
+        QuantoQuantizedLayer,
+    )
+
+    if backend == "fp8" and options:
+        raise ValueError(f"the fp8 backend quantizes per tensor and takes no {sorted(options)}")
+    layer_class = {
+        "quanto": QuantoQuantizedLayer,
+        "hqq": HQQQuantizedLayer,
+        "fp8": Fp8QuantizedLayer,
+    }[backend]
+    return Cache(
+        layers=[layer_class(**options) if w is None else sliding_layer(w) for w in windows]
+    )
 
 
 def _tensor_nbytes(obj: Any) -> int:

@@ -16,6 +16,10 @@ Layout (schema version :data:`SCHEMA_VERSION`)::
                         ...},
               "pca": {...}, "paged": {...}, "quant": {...}, ...}}
 
+A run holds one command's output, on one model (its ``model``). A run measured on another model
+than the default (SmolLM2-135M) carries the model's offline name after a slash:
+``"cache/gemma-3-270m"`` (:func:`run_name`; :func:`model_runs` gathers a run's models).
+
 A run holds one command's output. Its ``rows`` (and any other groups of rows) map a row name to
 its figures; cache rows are keyed by :mod:`kvlib.cache_registry` names, so one name goes from the
 benchmark to the notebook and the CLI.
@@ -117,6 +121,42 @@ def run(name: str, results: Mapping[str, Any] | None = None) -> Mapping[str, Any
     runs = _results(results).get("runs", {})
     entry = runs.get(name, {}) if isinstance(runs, Mapping) else {}
     return entry if isinstance(entry, Mapping) else {}
+
+
+#: The offline model (:data:`kvlib.models.OFFLINE_MODELS`) a run without a model suffix was
+#: measured on: every run before the second model was.
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def run_name(base: str, model: str | None = None) -> str:
+    """The name of run ``base`` (``"cache"``) measured on offline model ``model``: ``base`` for
+    the default model (``None`` or :data:`DEFAULT_MODEL`), ``"<base>/<model>"`` otherwise.
+
+    Raises:
+        TypeError: a name that is not a string.
+        ValueError: an empty name, or one holding a slash.
+    """
+    for label, value in (("run name", base), ("model", model)):
+        if value is None and label == "model":
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{label} must be a str (got {type(value).__name__})")
+        if not value or "/" in value:
+            raise ValueError(f"{label} must be non-empty and hold no '/' (got {value!r})")
+    return base if model in (None, DEFAULT_MODEL) else f"{base}/{model}"
+
+
+def model_runs(base: str, results: Mapping[str, Any] | None = None) -> dict[str, Mapping[str, Any]]:
+    """Run ``base`` on every model it was measured on: ``{offline model name: run}``, the
+    default model first (see :func:`run_name`); ``{}`` where none was."""
+    runs = _results(results).get("runs", {})
+    found: dict[str, Mapping[str, Any]] = {}
+    if isinstance(runs.get(base), Mapping):
+        found[DEFAULT_MODEL] = runs[base]
+    for name, entry in runs.items():
+        if name.startswith(f"{base}/") and isinstance(entry, Mapping):
+            found[name.split("/", 1)[1]] = entry
+    return found
 
 
 def _number(x: Any) -> float | None:

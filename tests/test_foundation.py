@@ -129,6 +129,62 @@ def test_load_model_rejects_bad_dtype() -> None:
         load_model(dtype="int8")
 
 
+def test_offline_models_by_name() -> None:
+    from kvlib import results
+    from kvlib.models import DEFAULT_MODEL, OFFLINE_MODELS, installed_models, offline_model
+
+    assert offline_model(None) is offline_model(DEFAULT_MODEL) is OFFLINE_MODELS["smollm2-135m"]
+    assert DEFAULT_MODEL == results.DEFAULT_MODEL == next(iter(OFFLINE_MODELS))
+    assert offline_model(None).locate() == bundled_model_path()
+    assert "smollm2-135m" in installed_models()
+    with pytest.raises(ValueError, match="unknown offline model 'gemma-3'.*gemma-3-270m"):
+        offline_model("gemma-3")
+    with pytest.raises(TypeError, match="must be a str"):
+        offline_model(3)
+
+
+def test_a_missing_model_package_says_how_to_install_it(monkeypatch) -> None:
+    """Without the chunk packages, loading the second model names the make target."""
+    import importlib.util
+
+    from kvlib import models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a),
+    )
+    with pytest.raises(ModelNotAvailableError, match="make gemma"):
+        models.model_folder("gemma-3-270m")
+    assert "gemma-3-270m" not in models.installed_models()
+
+
+@pytest.mark.skipif(
+    "gemma-3-270m" not in __import__("kvlib.models").models.installed_models(),
+    reason="the second model is installed by `make gemma`",
+)
+def test_second_model_loads_offline_with_its_build() -> None:
+    """Gemma 3 270M where it is installed: one KV head of 256 channels, 15 of 18 layers
+    sliding (512 tokens), a base model (no chat template) that starts text with BOS."""
+    model, tok = load_model("gemma-3-270m", device="cpu")
+    info = describe(model)
+    assert (info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (
+        18,
+        4,
+        1,
+        256,
+    )
+    types = model.config.layer_types
+    assert types.count("sliding_attention") == 15 and model.config.sliding_window == 512
+    assert not tok.chat_template
+    ids = tok("The capital of France is", return_tensors="pt")
+    assert int(ids.input_ids[0, 0]) == tok.bos_token_id
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    text = tok.decode(out[0, ids.input_ids.shape[1] :], skip_special_tokens=True)
+    assert "France" in text or "Paris" in text
+
+
 def test_quiet_silences_the_gguf_converters_own_progress_bar() -> None:
     """The first load converts the GGUF with tqdm.auto, which a notebook shows on stdout."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils

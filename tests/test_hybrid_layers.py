@@ -320,3 +320,45 @@ def test_sliding_layer_batch_operations_move_rows_together():
     assert layer.keys.shape == (2, 1, 4, 8) and layer.get_seq_length() == 6
     layer.reset()
     assert layer.nbytes() == 0 and layer.get_seq_length() == 0 and layer.kept() == 0
+
+
+@pytest.mark.parametrize("name", ["quanto-int4", "hqq-int8-axis1", "hf-fp8"])
+def test_transformers_quantized_caches_serve_hybrid_models_through_the_registry(gemma, name):
+    """transformers' QuantizedCache refuses sliding layers; the registry's copy gives them
+    kvlib's float16 windows and keeps transformers' quantized layer on the global one, so that
+    the comparison with kvlib's caches differs only there."""
+    from transformers import QuantizedCache
+
+    from kvlib import cache_registry
+
+    cfg = gemma.config
+    with pytest.raises(ValueError, match="only full attention"):
+        QuantizedCache("quanto", cfg)
+    cache = cache_registry.make_cache(name, cfg)
+    assert [type(x).__name__ for x in cache.layers[:5]] == ["SlidingWindowLayer"] * 5
+    global_layer = cache.layers[5]
+    assert "QuantizedLayer" in type(global_layer).__name__
+    tokens, chunks = ids(60), [37, 5, 1, 1, 16]
+    ref = chunked_logits(gemma, tokens, compat.dynamic_cache(cfg), chunks)
+    got = chunked_logits(gemma, tokens, cache, chunks)
+    assert torch.isfinite(got).all() and (got - ref).abs().max() <= 0.2 * ref.abs().max()
+    for layer in cache.layers[:5]:
+        assert layer.kept() == WINDOW and layer.keys.dtype == torch.float16
+    # bytes: the windows exactly as kvlib.memory prices them, plus the global layer's own
+    windows = sum(compat.layer_nbytes(x) for x in cache.layers[:5])
+    assert windows == 5 * 2 * WINDOW * HEAD_DIM * 2
+    assert compat.cache_nbytes(cache) == windows + compat.layer_nbytes(global_layer) > windows
+    # the same cache on a full-attention model is transformers' own class
+    full = gemma3_config()
+    full.layer_types = ["full_attention"] * 6
+    assert type(cache_registry.make_cache(name, full)) is QuantizedCache
+
+
+def test_hybrid_hf_cache_refuses_what_transformers_refuses():
+    cfg = gemma3_config()
+    with pytest.raises(ValueError, match="only full attention"):
+        compat.hf_quantized_cache(cfg, "quanto", 4)  # no sliding_layer: transformers decides
+    with pytest.raises(ValueError, match="takes no"):
+        compat.hf_quantized_cache(cfg, "fp8", residual_length=8, sliding_layer=SlidingWindowLayer)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        compat.hf_quantized_cache(cfg, "int4", sliding_layer=SlidingWindowLayer)

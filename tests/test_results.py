@@ -87,10 +87,10 @@ def test_package_results_load_and_name_caches_by_the_registry():
     data = results.load_results()
     assert data["schema_version"] == results.SCHEMA_VERSION
     assert {"cache", "pca", "paged", "quant"} <= set(data["runs"])
-    cache_run = data["runs"]["cache"]
-    assert cache_run["rows"] and cache_run["decode"]
-    for name in (*cache_run["rows"], *cache_run["decode"]):
-        cache_registry.cache_info(name)  # raises for a name the registry does not know
+    for cache_run in results.model_runs("cache", data).values():  # every model's
+        assert cache_run["rows"] and cache_run["decode"] and cache_run["model"]
+        for name in (*cache_run["rows"], *cache_run["decode"]):
+            cache_registry.cache_info(name)  # raises for a name the registry does not know
     assert "kvlib-int4" in results.cache_costs()
 
 
@@ -215,3 +215,22 @@ def test_a_citation_names_model_engine_and_device():
     gpu = results.citation(run | {"machine": "NVIDIA H200; torch 2.11.0+cu130", "engine": "vLLM"})
     assert gpu == "with vLLM on a GPU (NVIDIA H200), measured 2031-01-02 by " + run["source"]
     assert results.citation({"source": "s", "date": "d"}) == "measured d by s"
+
+
+def test_runs_on_other_models_are_named_after_the_model(tmp_path):
+    """A run on the default model keeps its plain name; another model's copy of the run is
+    "<run>/<model>", and model_runs gathers them, the default first."""
+    assert results.run_name("cache") == results.run_name("cache", "smollm2-135m") == "cache"
+    assert results.run_name("cache", "gemma-3-270m") == "cache/gemma-3-270m"
+    for bad, error in ((("cache/x",), ValueError), (("cache", ""), ValueError), ((3,), TypeError)):
+        with pytest.raises(error):
+            results.run_name(*bad)
+    path = tmp_path / "r.json"
+    entry = {"source": "s", "command": "c", "machine": "m", "rows": {}}
+    results.record_run("cache/gemma-3-270m", {**entry, "model": "Gemma-3-270M"}, path)
+    results.record_run("cache", {**entry, "model": "SmolLM2-135M"}, path)
+    results.record_run("cachex", entry, path)
+    runs = results.model_runs("cache", results.load_results(path))
+    assert list(runs) == ["smollm2-135m", "gemma-3-270m"]
+    assert runs["gemma-3-270m"]["model"] == "Gemma-3-270M"
+    assert results.model_runs("pca", results.load_results(path)) == {}

@@ -82,9 +82,9 @@ def cpu_engine_args(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_vllm(tmp_path: Path, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from kvlib.models import _bundled_copy, bundled_model_path
+    from kvlib.models import model_folder
 
-    job = {"model": str(_bundled_copy(bundled_model_path())), "runs": runs}
+    job = {"model": str(model_folder()), "runs": runs}
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
@@ -103,9 +103,9 @@ def known_text_ids(n: int = 512) -> list[int]:
     from transformers import AutoTokenizer
 
     import kvlib
-    from kvlib.models import _bundled_copy, bundled_model_path
+    from kvlib.models import model_folder
 
-    tok = AutoTokenizer.from_pretrained(_bundled_copy(bundled_model_path()))
+    tok = AutoTokenizer.from_pretrained(model_folder())
     return tok(kvlib.data.load_eval_text()[: 8 * n]).input_ids[:n]
 
 
