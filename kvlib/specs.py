@@ -800,6 +800,24 @@ _SPECS: tuple[ModelSpec, ...] = (
         max_position_embeddings=8192,
         source=_HF + "HuggingFaceTB/SmolLM2-135M",
     ),
+    # Gemma-3-270M: google/gemma-3-270m (18 layers, 4 q, 1 kv, head_dim 256, hidden 640,
+    # sliding_window 512, 5 local : 1 global, 32k positions); 268,098,176 params (counted on
+    # the offline model, `make gemma`). The series' second measured model.
+    ModelSpec(
+        "gemma-3-270m",
+        18,
+        4,
+        1,
+        256,
+        num_params=268_098_176,
+        sliding_window=512,
+        layer_types=_alternating(18, 5, 1),
+        vocab_size=262_144,
+        hidden_size=640,
+        tied_embeddings=True,
+        max_position_embeddings=32_768,
+        source=_HF + "google/gemma-3-270m; arXiv:2503.19786",
+    ),
     # SmolLM2-1.7B: HuggingFaceTB/SmolLM2-1.7B config.json (24 layers, 32 q, 32 kv: MHA,
     # hidden 2048 → 64); 1.71B params.
     ModelSpec(

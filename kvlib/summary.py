@@ -20,9 +20,12 @@ from kvlib.specs import get_spec
 
 __all__ = [
     "EngineCacheRow",
+    "ModelCacheRow",
     "TechniqueLine",
     "engine_rows",
     "format_engine_rows",
+    "format_model_rows",
+    "model_rows",
     "format_summary",
     "series_summary",
 ]
@@ -247,4 +250,80 @@ def format_engine_rows(rows: list[EngineCacheRow]) -> str:
     for engine in dict.fromkeys(r.engine for r in rows):
         first = next(r for r in rows if r.engine == engine)
         lines.append(f"{engine}: against {first.reference}, {first.measured}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ModelCacheRow:
+    """One cache measured on one model by the cache benchmark (notebook 04's second model).
+
+    Attributes:
+        cache: the :mod:`kvlib.cache_registry` name.
+        model: the offline model's name (``"gemma-3-270m"``); ``title`` is the name cited.
+        delta_pct: perplexity change against that model's fp32 DynamicCache, mean over the
+            segments where measured, else the protocol segment's.
+        segments: the per-segment changes (empty where only one was measured).
+        x_smaller_at_4096: fp16 bytes / the cache's bytes at 4,096 tokens (``None``: not fed).
+    """
+
+    cache: str
+    model: str
+    title: str
+    delta_pct: float
+    segments: tuple[float, ...]
+    x_smaller_at_4096: float | None
+
+
+def model_rows(
+    names: tuple[str, ...] | None = None, results: Mapping[str, Any] | None = None
+) -> list[ModelCacheRow]:
+    """The caches the cache benchmark measured on more than one model (:func:`kvlib.results.
+    model_runs`), one row per cache and model, the caches in the default model's order
+    (``names``: these caches only). A cache measured on one model only is left out."""
+    runs = kvresults.model_runs("cache", kvresults.load_results() if results is None else results)
+    rows_by_model = {m: run.get("rows", {}) for m, run in runs.items()}
+    first = next(iter(rows_by_model.values()), {})
+    shared = [
+        n for n in (names or tuple(first)) if sum(n in rows for rows in rows_by_model.values()) > 1
+    ]
+    out = []
+    for name in shared:
+        for model, rows in rows_by_model.items():
+            row = rows.get(name)
+            if not isinstance(row, Mapping):
+                continue
+            segments = tuple(float(x) for x in row.get("perplexity_delta_pct_segments") or ())
+            at_4096 = row.get("x_smaller_than_fp16_at_4096")
+            out.append(
+                ModelCacheRow(
+                    cache=name,
+                    model=model,
+                    title=str(runs[model].get("model", model)),
+                    delta_pct=float(
+                        row.get("perplexity_delta_pct_mean", row["perplexity_delta_pct"])
+                    ),
+                    segments=segments if len(segments) >= 2 else (),
+                    x_smaller_at_4096=None if at_4096 is None else float(at_4096),
+                )
+            )
+    return out
+
+
+def format_model_rows(rows: list[ModelCacheRow]) -> str:
+    """The rows as a text table, one line per cache, a column pair per model: the mean
+    perplexity change (%) and the size at 4,096 tokens (× smaller than fp16)."""
+    models = list(dict.fromkeys(r.title for r in rows))
+    cells = {(r.cache, r.title): r for r in rows}
+    head = f"{'cache':<17}" + "".join(f"{m + ' Δ ppl %':>24}{'× @4096':>9}" for m in models)
+    lines = [head]
+    for cache in dict.fromkeys(r.cache for r in rows):
+        line = f"{cache:<17}"
+        for m in models:
+            r = cells.get((cache, m))
+            if r is None:
+                line += f"{'—':>24}{'':>9}"
+                continue
+            size = "—" if r.x_smaller_at_4096 is None else f"{r.x_smaller_at_4096:.3g}"
+            line += f"{r.delta_pct:>+24.3g}{size:>9}"
+        lines.append(line)
     return "\n".join(lines)

@@ -175,6 +175,15 @@ def test_second_model_loads_offline_with_its_build() -> None:
         1,
         256,
     )
+    from kvlib.specs import get_spec, spec_from_config
+
+    measured = spec_from_config(model.config)
+    spec = get_spec("gemma-3-270m")  # the registry's entry is this model's build
+    assert (measured.layer_kinds, measured.sliding_window) == (
+        spec.layer_kinds,
+        spec.sliding_window,
+    )
+    assert info["parameters"] == spec.num_params
     types = model.config.layer_types
     assert types.count("sliding_attention") == 15 and model.config.sliding_window == 512
     assert not tok.chat_template

@@ -132,6 +132,7 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "qwen2.5-72b": ("qwen2", dict(intermediate_size=29568, tie_word_embeddings=False)),
     "gemma-2-9b": ("gemma2", dict(intermediate_size=14336)),
     "gemma-3-27b": ("gemma3_text", dict(intermediate_size=21504)),  # text part (no vision)
+    "gemma-3-270m": ("gemma3_text", dict(intermediate_size=2048)),
     "phi-3-mini": ("phi3", dict(intermediate_size=8192, tie_word_embeddings=False)),
     "falcon-7b": (
         "falcon",

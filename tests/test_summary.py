@@ -86,3 +86,40 @@ def test_engine_rows_compare_each_engine_against_its_own_reference():
     # the package's results: all three engines, every row against its own reference
     engines = {r.engine for r in summary.engine_rows()}
     assert engines == {"transformers", "llama.cpp", "vllm"}
+
+
+def test_model_rows_pair_the_caches_measured_on_both_models():
+    data = copy.deepcopy(results.load_results())
+    base = data["runs"]["cache"]
+    other = copy.deepcopy(base)
+    other["model"] = "Other-1B"
+    other["rows"] = {
+        "kvlib-int4": {
+            "perplexity_delta_pct": 0.5,
+            "perplexity_delta_pct_segments": [0.5, 0.1],
+            "perplexity_delta_pct_mean": 0.3,
+            "x_smaller_than_fp16_at_4096": 2.5,
+        },
+        "quanto-int4": {"perplexity_delta_pct": 7.0, "x_smaller_than_fp16_at_4096": None},
+        "only-here": {"perplexity_delta_pct": 1.0},
+    }
+    data["runs"]["cache/other-1b"] = other
+    rows = summary.model_rows(results=data)
+    assert [(r.cache, r.model) for r in rows] == [
+        ("quanto-int4", "smollm2-135m"),
+        ("quanto-int4", "other-1b"),
+        ("kvlib-int4", "smollm2-135m"),
+        ("kvlib-int4", "other-1b"),
+    ]  # the default model's order; a cache on one model only is left out
+    mine = {(r.cache, r.model): r for r in rows}
+    assert mine["kvlib-int4", "other-1b"].delta_pct == 0.3  # the mean, not the first segment
+    assert mine["kvlib-int4", "other-1b"].segments == (0.5, 0.1)
+    assert mine["quanto-int4", "other-1b"].segments == ()
+    assert (
+        mine["kvlib-int4", "smollm2-135m"].delta_pct
+        == base["rows"]["kvlib-int4"]["perplexity_delta_pct_mean"]
+    )
+    text = summary.format_model_rows(rows)
+    assert "Other-1B Δ ppl %" in text and "SmolLM2-135M Δ ppl %" in text
+    assert text.splitlines()[2].split()[:4] == ["kvlib-int4", "+0.0786", "3.14", "+0.3"]
+    assert summary.model_rows(results={"schema_version": 1, "runs": {}}) == []
