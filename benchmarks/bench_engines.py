@@ -19,11 +19,18 @@ kernels, and has no full-precision window: every cached token, the newest includ
 and read in the chosen type. So each engine's rows are read against that engine's own
 unquantized cache.
 
+``--model`` names one of :data:`kvlib.models.OFFLINE_MODELS` (its own GGUF file: SmolLM2's
+Q4_1, Gemma 3 270M's Q4_K_M, which llama.cpp serves with its interleaved sliding-window cache:
+the sliding layers keep their window, as in :func:`kvlib.memory.kv_cache_bytes`). Bytes per token
+are therefore given at a length (4,096 tokens), as the cache benchmark gives them.
+
 Needs the peer environment (``make peers``: llama-cpp-python, built from source, ~10 minutes on
-2 cores). Writes run ``"llama.cpp"`` of ``kvlib/results.json``.
+2 cores). Writes run ``"llama.cpp"`` of ``kvlib/results.json`` (``"llama.cpp/<model>"`` for a
+model other than the default, :func:`kvlib.results.run_name`).
 
     .venv/bin/python benchmarks/bench_engines.py            # 4 segments of 2,048 tokens
     .venv/bin/python benchmarks/bench_engines.py --quick    # 1 segment of 1,024 tokens
+    .venv/bin/python benchmarks/bench_engines.py --model gemma-3-270m   # the second model
 """
 
 from __future__ import annotations
@@ -71,13 +78,14 @@ def ggml_type(name: str) -> int:
     return getattr(llama_cpp, f"GGML_TYPE_{name.upper()}")
 
 
-def open_llama(k: str, v: str, n_ctx: int, threads: int):
-    """The bundled GGUF in llama.cpp with K/V cache types ``k``/``v`` (flash attention on: a
-    quantized V cache needs it), logits kept for every position."""
+def open_llama(k: str, v: str, n_ctx: int, threads: int, model: str | None = None):
+    """Offline model ``model``'s GGUF (default: the bundled SmolLM2) in llama.cpp with K/V cache
+    types ``k``/``v`` (flash attention on: a quantized V cache needs it), logits kept for every
+    position."""
     import llama_cpp
 
     return llama_cpp.Llama(
-        model_path=str(kvlib.models.bundled_model_path()),
+        model_path=str(kvlib.models.offline_model(model).locate()),
         n_ctx=n_ctx, n_batch=CHUNK, n_ubatch=CHUNK, n_threads=threads, n_threads_batch=threads,
         logits_all=True, flash_attn=True, type_k=ggml_type(k), type_v=ggml_type(v),
         verbose=False, seed=0,
@@ -88,11 +96,14 @@ def chunked_perplexity(llm, ids: list[int]) -> float:
     """``exp`` of the mean NLL of ``ids[1:]``, the text fed ``CHUNK`` tokens at a time."""
     llm.reset()
     llm.eval(ids)
-    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
-    logits -= logits.max(axis=1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-    nll = -logp[np.arange(len(ids) - 1), ids[1:]]
-    return float(np.exp(nll.mean()))
+    nll = []
+    for start in range(0, len(ids) - 1, CHUNK):  # float64 a chunk at a time: 262k-word vocabularies
+        stop = min(start + CHUNK, len(ids) - 1)
+        logits = np.asarray(llm.scores[start:stop], dtype=np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        nll.append(-logp[np.arange(stop - start), ids[start + 1 : stop + 1]])
+    return float(np.exp(np.concatenate(nll).mean()))
 
 
 def decode_rate(llm, prompt: list[int], steps: list[int], threads: int) -> float:
@@ -108,13 +119,20 @@ def decode_rate(llm, prompt: list[int], steps: list[int], threads: int) -> float
     return len(steps) / measure(decode, min_run_time=1.0, num_threads=threads).median
 
 
-def bytes_per_token(config, k: str, v: str) -> float:
-    """K and V bytes per token from ggml's block formats (:mod:`kvlib.engines`)."""
+#: The length at which bytes per token are given: on a model with sliding-window layers the
+#: cache is not linear in the length (the windows stop growing), as in the cache benchmark.
+BYTES_AT_TOKENS = 4096
+
+
+def bytes_per_token(config, k: str, v: str, tokens: int = BYTES_AT_TOKENS) -> float:
+    """K and V bytes per token of a ``tokens``-token cache from ggml's block formats
+    (:mod:`kvlib.engines`; sliding layers hold their window, :func:`kvlib.memory.kv_cache_bytes`)."""
     spec = spec_from_config(config)
     half = []
     for t in (k, v):
         bits, group, meta = engines.kv_type("llama.cpp", t).storage
-        half.append(kv_cache_bytes(spec, 1, 1, bits, group_size=group, group_meta_bits=meta) / 2)
+        nbytes = kv_cache_bytes(spec, tokens, 1, bits, group_size=group, group_meta_bits=meta)
+        half.append(nbytes / 2 / tokens)
     return sum(half)
 
 
@@ -124,6 +142,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per segment (2048)")
     ap.add_argument("--segments", type=int, default=None, help="consecutive segments (4)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--model",
+        default=kvlib.models.DEFAULT_MODEL,
+        choices=list(kvlib.models.OFFLINE_MODELS),
+        help="the offline model measured (its own GGUF file)",
+    )
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
     args = ap.parse_args()
     try:
@@ -137,7 +161,8 @@ def main() -> None:
     n_seg = args.segments or (1 if args.quick else 4)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    model, tok = kvlib.models.load_model()
+    offline = kvlib.models.offline_model(args.model)
+    model, tok = kvlib.models.load_model(args.model)
     text = kvlib.data.load_eval_text()[: tokens * n_seg * 8 + 1000]
     all_ids = tok(text, return_tensors="pt").input_ids[0].tolist()
     if len(all_ids) < tokens * n_seg:
@@ -150,8 +175,9 @@ def main() -> None:
     for k, v in tqdm(PAIRS, desc="llama.cpp cache types", file=sys.stderr, disable=None):
         name = pair_name(k, v)
         llm = open_llama(
-            k, v, n_ctx=max(tokens, 1024 + len(decode_steps)) + CHUNK, threads=args.threads
-        )
+            k, v, n_ctx=max(tokens, 1024 + len(decode_steps)) + CHUNK, threads=args.threads,
+            model=args.model,
+        )  # fmt: skip
         ppl[name] = [chunked_perplexity(llm, seg) for seg in segments]
         speed[name] = decode_rate(llm, decode_prompt, decode_steps, args.threads)
         print(
@@ -164,9 +190,12 @@ def main() -> None:
     where = f"{machine(args.threads)}, llama-cpp-python {llama_cpp.__version__}"
     date = datetime.datetime.now(datetime.UTC).date().isoformat()
     cmd = "python " + " ".join(["benchmarks/bench_engines.py", *sys.argv[1:]])
-    fp16 = kv_cache_bytes(spec_from_config(model.config), 1, 1, 16)
+    fp16 = kv_cache_bytes(spec_from_config(model.config), BYTES_AT_TOKENS, 1, 16) / BYTES_AT_TOKENS
     rows = {}
-    print(f"\nCommand: `{cmd}`; {n_seg} × {tokens} tokens, chunks of {CHUNK}; {where}; {date}\n")
+    print(
+        f"\nCommand: `{cmd}`; {offline.title}; {n_seg} × {tokens} tokens, chunks of {CHUNK}; "
+        f"bytes per token at {BYTES_AT_TOKENS} tokens; {where}; {date}\n"
+    )
     print(
         "| cache type (K/V) | bits (K, V) | bytes/token | x smaller than f16 | mean delta (%) | segments (%) | decode tok/s | slowdown vs f16 |"
     )
@@ -200,7 +229,7 @@ def main() -> None:
             "command": cmd,
             "date": date,
             "machine": where,
-            "model": "SmolLM2-135M (Q4_1 GGUF weights, llama.cpp)",
+            "model": f"{offline.title} ({offline.weights} GGUF weights, llama.cpp)",
             "settings": {
                 "engine": "llama.cpp",
                 "tokens": tokens,
@@ -210,10 +239,12 @@ def main() -> None:
                 "decode_prompt_tokens": len(decode_prompt),
                 "decode_new_tokens": len(decode_steps),
                 "reference": ref,
+                "bytes_at_tokens": BYTES_AT_TOKENS,
             },
             "rows": rows,
         }
-        print(f"wrote run 'llama.cpp' to {results.record_run('llama.cpp', entry)}", file=sys.stderr)
+        name = results.run_name("llama.cpp", args.model)
+        print(f"wrote run {name!r} to {results.record_run(name, entry)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ class OfflineModel:
         install: the command that installs it.
         folder: the name of the converted safetensors copy in :func:`cache_dir`.
         locate: returns the GGUF file's path (raises :class:`ModelNotAvailableError`).
+        weights: the GGUF's weight format (``"Q4_1"``), which an engine that runs the GGUF
+            itself (llama.cpp) keeps, where transformers de-quantizes it.
     """
 
     name: str
@@ -119,6 +121,7 @@ class OfflineModel:
     install: str
     folder: str
     locate: Callable[[], Path]
+    weights: str
 
 
 #: The offline models, by the name :func:`load_model` accepts; the first is the default.
@@ -133,6 +136,7 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
             "make setup",
             "SmolLM2-135M-Instruct-Q4_1",
             lambda: bundled_model_path(),
+            "Q4_1",
         ),
         OfflineModel(
             "gemma-3-270m",
@@ -143,6 +147,7 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
             "make gemma",
             "gemma-3-270m-Q4_K_M",
             _gemma_gguf_path,
+            "Q4_K_M",
         ),
     )
 }

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlib import plan_engines, plan_fallbacks, plan_rule, plan_text
+from kvlib import results as kvresults
 from kvlib.plan_rule import Decision
 from kvlib.specs import ModelSpec, get_spec, spec_from_config
 from kvlib.validate import check_bits, check_int, check_number
@@ -223,7 +224,8 @@ def recommend(
                 f"typical_context ({typical_context:,}) must be at most context_len "
                 f"({context_len:,}): it is the length most conversations reach"
             )
-    cited = plan_text.results_to_cite(results)
+    # runs measured on several models are read from the one closest in build to this one
+    cited = kvresults.for_model(spec, plan_text.results_to_cite(results))
 
     d = plan_rule.decide(
         spec,

@@ -28,6 +28,7 @@ from kvlib.plan_rule import (
     Decision,
     engine_candidates,
 )
+from kvlib.specs import get_spec
 
 __all__ = [
     "alternatives",
@@ -217,6 +218,38 @@ def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _build(s: Any) -> str:
+    """A model's build in the words :func:`_why_model` compares: sliding layers, KV heads."""
+    sliding = f"{s.num_sliding_layers}/{s.num_layers} sliding-window layers"
+    if s.is_mla:
+        return f"{sliding}, a latent (MLA) cache"
+    heads = "1 KV head" if s.num_kv_heads == 1 else f"{s.num_kv_heads} KV heads"
+    return f"{sliding}, {heads} of {s.head_dim} channels"
+
+
+def _why_model(d: Decision, results: Mapping[str, Any], lines: list[str]) -> list[str]:
+    """Which measured model the figures in ``lines`` come from, where it is not the default
+    one: runs measured on several models are read from the one closest in build to the
+    request's (:func:`kvlib.results.for_model`). Only runs some line cites are named."""
+    cited = {
+        base: model
+        for base, model in results.get("measured_on", {}).items()
+        if model != kvresults.DEFAULT_MODEL
+        and any(kvresults.citation(kvresults.run(base, results)) in line for line in lines)
+    }
+    out = []
+    for model in sorted(set(cited.values())):
+        bases = sorted(b for b, m in cited.items() if m == model)
+        title = kvresults.run(bases[0], results).get("model") or model
+        out.append(
+            f"the {', '.join(bases)} figures above were measured on {title} "
+            f"({_build(get_spec(model))}): of the measured models the closest in build to "
+            f"{d.model} ({_build(d.spec)}), so its lessons are the likelier to carry over; "
+            "a 270M-parameter model on a CPU, not this model on this GPU"
+        )
+    return out
+
+
 def _llama_cpp_note(t: EngineKV, measured: Mapping[str, float], results: Mapping[str, Any]) -> str:
     """The measured cost of a llama.cpp type against llama.cpp's own f16 cache, next to the
     level's smallest type, q4_0 (why a pair like q8_0/q4_0 can be the better buy)."""
@@ -276,11 +309,14 @@ def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
         out = ["CPU: llama.cpp (GGUF weights, KV cache types f16, q8_0, q4_0, flash attention)"]
     elif d.engine == "llama.cpp":
         where = f"over {tp} GPUs (its default layer split)" if tp > 1 else "on one GPU"
-        out = [
-            f"several sequences {where}: llama.cpp serves them in {d.num_sequences} "
-            "parallel slots (-np), each reserving its full context (no paging); its KV types go "
-            "down to q4_0"
-        ]
+        served = (
+            "one sequence {where}: llama.cpp serves it in one slot (-np 1), reserving its full "
+            "context"
+            if d.num_sequences == 1
+            else "several sequences {where}: llama.cpp serves them in {n} parallel slots (-np), "
+            "each reserving its full context (no paging)"
+        )
+        out = [served.format(where=where, n=d.num_sequences) + "; its KV types go down to q4_0"]
     else:
         out = ["one sequence on one GPU: transformers generate() with kvlib's cache below"]
     preferred = engine_candidates(d.device, d.concurrency, tp)
@@ -393,6 +429,7 @@ def reasons(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     """Why the plan chose what it chose: the budget against the need, the measured cost, the
     shortfall when reduced, the engine and idle storage."""
     out = _why_setting(d) + _why_measured(d, results)
+    out += _why_model(d, results, out)
     if d.status == "reduced":
         out.append(
             f"even at {_label(d.types_by_setting[d.lowest_setting])} (the lowest "

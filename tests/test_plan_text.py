@@ -215,3 +215,49 @@ def test_segment_ranges_decide_what_is_called_measurable():
     seg["runs"]["cache"]["rows"]["kvlib-int4-rot"]["perplexity_delta_pct_segments"] = [-1, -0.9]
     rot = plan_text.reasons(t, seg)[2]
     assert "over 2 segments" in rot and "no measurable difference" not in rot
+
+
+def _llama_cpp_run(model: str, q4_0: float) -> dict:
+    rows = {
+        t: {"type_k": t, "type_v": t, "perplexity_delta_pct_mean": d}
+        for t, d in (("f16", 0.0), ("q8_0", 0.1), ("q4_0", q4_0))
+    }
+    return {
+        "source": "benchmarks/bench_engines.py",
+        "command": "python benchmarks/bench_engines.py",
+        "machine": "test CPU, no GPU",
+        "model": model,
+        "date": "2031-01-02",
+        "settings": {"segments": 4},
+        "rows": rows,
+    }
+
+
+TWO_MODELS = {
+    "schema_version": 1,
+    "runs": {
+        "llama.cpp": _llama_cpp_run("SmolTest", 6.5),
+        "llama.cpp/gemma-3-270m": _llama_cpp_run("GemmaTest", 2.5),
+    },
+}
+
+
+def test_a_plan_cites_the_measured_model_closest_in_build_and_says_so():
+    """Gemma 2 9B (half its layers sliding, heads of 256) reads the Gemma run's figures, and a
+    reason names that model and why; Llama 3.1 8B reads the default model's, with no such line."""
+    from kvlib.plan import recommend
+
+    g = recommend("gemma-2-9b", 24, 8192, 4, results=TWO_MODELS)
+    assert (g.engine, g.kv_type) == ("llama.cpp", "q4_0")
+    assert any(r.startswith("q4_0 (llama.cpp): +2.5 %") and "GemmaTest" in r for r in g.reasons)
+    note = [r for r in g.reasons if r.startswith("the llama.cpp figures above were measured on")]
+    assert len(note) == 1
+    assert "GemmaTest (15/18 sliding-window layers, 1 KV head of 256 channels)" in note[0]
+    assert "closest in build to gemma-2-9b (21/42 sliding-window layers, 8 KV heads" in note[0]
+    l8 = recommend("llama-3.1-8b", 24, 32768, 4, results=TWO_MODELS)
+    assert (l8.engine, l8.kv_type) == ("llama.cpp", "q4_0")
+    assert any(r.startswith("q4_0 (llama.cpp): +6.5 %") for r in l8.reasons)
+    assert not any("were measured on" in r for r in l8.reasons)
+    # a plan that cites no multi-model run names no model, even for a Gemma
+    fp16 = recommend("gemma-2-9b", 24, 8192, 1, results=TWO_MODELS)
+    assert fp16.kv == "fp16" and not any("were measured on" in r for r in fp16.reasons)

@@ -8,8 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvlib import cache_registry, results
+from kvlib import cache_registry, results, specs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,3 +236,62 @@ def test_runs_on_other_models_are_named_after_the_model(tmp_path):
     assert list(runs) == ["smollm2-135m", "gemma-3-270m"]
     assert runs["gemma-3-270m"]["model"] == "Gemma-3-270M"
     assert results.model_runs("pca", results.load_results(path)) == {}
+
+
+def _two_model_results(tmp_path):
+    """A results file with run "cache" on SmolLM2 and on Gemma 3 270M, and "pca" on one."""
+    path = tmp_path / "two.json"
+    entry = {"source": "benchmarks/bench_cache.py", "command": "c", "machine": "m", "date": "d"}
+    for name, model, delta in (
+        ("cache", "SmolLM2-135M", 0.1),
+        ("cache/gemma-3-270m", "Gemma-3-270M", 0.7),
+    ):
+        rows = {"kvlib-int4": {"perplexity_delta_pct": delta, "x_smaller_than_fp16": 3.0}}
+        results.record_run(name, {**entry, "model": model, "rows": rows}, path)
+    results.record_run("pca", {**entry, "model": "SmolLM2-135M", "rows": {}}, path)
+    return results.load_results(path)
+
+
+@given(a=st.sampled_from(specs.list_specs()), b=st.sampled_from(specs.list_specs()))
+def test_build_distance_is_zero_on_one_build_symmetric_and_never_negative(a, b):
+    sa, sb = specs.get_spec(a), specs.get_spec(b)
+    assert results.build_distance(sa, sa) == 0
+    assert results.build_distance(sa, sb) == pytest.approx(results.build_distance(sb, sa))
+    assert results.build_distance(sa, sb) >= 0
+    if (sa.num_sliding_layers == 0) != (sb.num_sliding_layers == 0):  # windows weigh most
+        assert results.build_distance(sa, sb) > 0
+
+
+def test_build_distance_refuses_what_is_not_a_spec():
+    with pytest.raises(TypeError, match="ModelSpec"):
+        results.build_distance("llama-3.1-8b", specs.get_spec("llama-3.1-8b"))
+
+
+@pytest.mark.parametrize(
+    "model, closest",
+    [
+        ("llama-3.1-8b", "smollm2-135m"),  # full attention, 8 KV heads of 128
+        ("qwen2.5-0.5b", "smollm2-135m"),
+        ("gemma-2-9b", "gemma-3-270m"),  # half its layers sliding, heads of 256
+        ("gemma-3-27b", "gemma-3-270m"),  # 52 of 62 layers sliding
+        ("gemma-3-270m", "gemma-3-270m"),
+        ("smollm2-135m", "smollm2-135m"),
+    ],
+)
+def test_a_plan_reads_the_measured_model_closest_in_build(tmp_path, model, closest):
+    data = _two_model_results(tmp_path)
+    spec = specs.get_spec(model)
+    assert results.closest_model(spec, "cache", data) == closest
+    view = results.for_model(spec, data)
+    assert view["measured_on"] == {"cache": closest}
+    want = 0.7 if closest == "gemma-3-270m" else 0.1
+    assert results.cache_cost("kvlib-int4", view)["perplexity_delta_pct"] == want
+    assert results.run("pca", view) == results.run("pca", data)  # measured on one model only
+    assert "measured_on" not in data and data["runs"]["cache"]["model"] == "SmolLM2-135M"
+
+
+def test_closest_model_without_the_run_or_with_one_model(tmp_path):
+    data = _two_model_results(tmp_path)
+    assert results.closest_model(specs.get_spec("gemma-2-9b"), "vllm", data) is None
+    assert results.closest_model(specs.get_spec("gemma-2-9b"), "pca", data) == "smollm2-135m"
+    assert results.for_model(specs.get_spec("gemma-2-9b"), {}) == {}
