@@ -87,6 +87,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib import compat, fused_attention
+from kvlib.cache_layer import BatchRows, check_states, row_indices
 from kvlib.cache_layout import (
     RESIDUAL_LENGTH,
     SINK_TOKENS,
@@ -148,7 +149,7 @@ def _check_key_group_size(key_group_size: Any, residual_length: int, key_bits: i
     return key_group_size
 
 
-class QuantizedKVLayer(CacheLayerMixin):
+class QuantizedKVLayer(BatchRows, CacheLayerMixin):
     """One decoder layer of :class:`QuantizedKVCache` (see the module docstring for the layout).
 
     State after ``update`` calls totalling ``T`` tokens, with ``s = min(T, sink_tokens)``,
@@ -228,17 +229,7 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Fix device, dtypes and (batch, kv_heads, head_dim) from the first states seen."""
-        for name, t in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.dim() != 4:
-                raise ValueError(
-                    f"{name} must be a 4-d floating tensor (batch, kv_heads, seq_len, head_dim) "
-                    f"(got {getattr(t, 'shape', type(t).__name__)})"
-                )
-        if key_states.shape != value_states.shape:
-            raise ValueError(
-                f"key_states and value_states must have the same shape "
-                f"(got {tuple(key_states.shape)} and {tuple(value_states.shape)})"
-            )
+        check_states(key_states, value_states)
         b, h, _, d = key_states.shape
         gs = self.group_size_option
         self.group_size = _check_group_size(default_group_size(d) if gs is None else gs, d)
@@ -488,29 +479,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         window and block: codes and metadata move together, nothing is re-quantized."""
         if not self.is_initialized:
             return
-        rows = torch.as_tensor(rows, device=self.sink_keys.device)
-        if rows.dtype == torch.bool:
-            rows = rows.nonzero().flatten()
-        rows = rows.long()
+        rows = row_indices(rows, self.sink_keys.device)
         for name in ("sink_keys", "sink_values", "residual_keys", "residual_values"):
             setattr(self, name, getattr(self, name).index_select(0, rows).contiguous())
         if self.key_blocks is not None:
             self.key_blocks = self.key_blocks.index_select(1, rows)
             self.value_blocks = self.value_blocks.index_select(1, rows)
         self.batch_size = self.sink_keys.shape[0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder the batch (beam search): codes and metadata are permuted, not re-quantized."""
-        self._select_rows(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the batch rows ``indices``."""
-        self._select_rows(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every batch row ``repeats`` times."""
-        if self.is_initialized:
-            self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def offload(self) -> None:
         """Move the stored codes and windows to the CPU."""

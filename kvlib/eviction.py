@@ -57,6 +57,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlib import compat
 from kvlib import eviction_scores as es
 from kvlib.cache import default_group_size
+from kvlib.cache_layer import BatchRows, check_states, row_indices
 from kvlib.quant import QuantizedTensor, hadamard, quantize
 from kvlib.queries import capture_queries, recorded_queries
 from kvlib.sliding import SlidingWindowLayer
@@ -168,7 +169,7 @@ def _gather_rows(q: QuantizedTensor, index: torch.Tensor) -> QuantizedTensor:
     )
 
 
-class EvictionLayer(CacheLayerMixin):
+class EvictionLayer(BatchRows, CacheLayerMixin):
     """One decoder layer of :class:`EvictionCache` (see the module docstring).
 
     State after ``seen`` tokens, ``n = min(seen, budget)``: ``keys``/``values``
@@ -234,11 +235,7 @@ class EvictionLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.dim() != 4 or key_states.shape != value_states.shape:
-            raise ValueError(
-                "key_states and value_states must be (batch, kv_heads, seq_len, head_dim) of "
-                f"one shape (got {tuple(key_states.shape)} and {tuple(value_states.shape)})"
-            )
+        check_states(key_states, value_states)
         b, h, _, d = key_states.shape
         self.device, self.model_dtype = key_states.device, key_states.dtype
         self.dtype = self.dtype_option or key_states.dtype
@@ -436,7 +433,7 @@ class EvictionLayer(CacheLayerMixin):
     def _select_rows(self, rows: torch.Tensor) -> None:
         if not self.is_initialized:
             return
-        rows = torch.as_tensor(rows, device=self.device).long()
+        rows = row_indices(rows, self.device)
         for name in ("keys", "values", "rkeys", "rvalues", "positions", "scores"):
             t = getattr(self, name)
             if t is not None:
@@ -445,16 +442,6 @@ class EvictionLayer(CacheLayerMixin):
             self.qkeys = self.qkeys.index_select(0, rows)
             self.qvalues = self.qvalues.index_select(0, rows)
         self.batch_size = self.positions.shape[0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def offload(self) -> None:  # the kept tokens are small; they stay where they are
         pass

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvlib.cache_layer import BatchRows, check_states, row_indices
 from kvlib.validate import check_int
 
 __all__ = ["SlidingWindowLayer"]
 
 
-class SlidingWindowLayer(CacheLayerMixin):
+class SlidingWindowLayer(BatchRows, CacheLayerMixin):
     """One sliding-window decoder layer: the last ``sliding_window`` tokens, in full precision.
 
     Args:
@@ -72,17 +73,7 @@ class SlidingWindowLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Fix device, dtypes and (batch, kv_heads, head_dim) from the first states seen."""
-        for name, t in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.dim() != 4:
-                raise ValueError(
-                    f"{name} must be a 4-d floating tensor (batch, kv_heads, seq_len, head_dim) "
-                    f"(got {getattr(t, 'shape', type(t).__name__)})"
-                )
-        if key_states.shape != value_states.shape:
-            raise ValueError(
-                f"key_states and value_states must have the same shape "
-                f"(got {tuple(key_states.shape)} and {tuple(value_states.shape)})"
-            )
+        check_states(key_states, value_states)
         b, h, _, d = key_states.shape
         self.device, self.model_dtype = key_states.device, key_states.dtype
         if self.dtype_option is not None:
@@ -167,23 +158,10 @@ class SlidingWindowLayer(CacheLayerMixin):
     def _select_rows(self, rows: Any) -> None:
         if not self.is_initialized:
             return
-        rows = torch.as_tensor(rows, device=self.keys.device)
-        if rows.dtype == torch.bool:
-            rows = rows.nonzero().flatten()
-        rows = rows.long()
+        rows = row_indices(rows, self.keys.device)
         self.keys = self.keys.index_select(0, rows).contiguous()
         self.values = self.values.index_select(0, rows).contiguous()
         self.batch_size = self.keys.shape[0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def offload(self) -> None:  # a window is small: it stays where it is
         pass
