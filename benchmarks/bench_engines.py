@@ -130,7 +130,7 @@ def bytes_per_token(config, k: str, v: str, tokens: int = BYTES_AT_TOKENS) -> fl
     spec = spec_from_config(config)
     half = []
     for t in (k, v):
-        bits, group, meta = engines.kv_type("llama.cpp", t).storage
+        bits, group, meta, _ = engines.kv_type("llama.cpp", t).storage
         nbytes = kv_cache_bytes(spec, tokens, 1, bits, group_size=group, group_meta_bits=meta)
         half.append(nbytes / 2 / tokens)
     return sum(half)

@@ -112,6 +112,9 @@ class EngineKV:
         needs_flash_attention: llama.cpp's quantized V cache runs only with ``-fa on``.
         measured_as: the :mod:`kvlib.cache_registry` cache whose measured quality a plan cites
             for it, when one is the same format; None when it is not measured.
+        window_bits: bits per value of sliding-window layers, where the type keeps them otherwise
+            than the rest: kvlib's quantized caches keep the windows in fp16 and quantize the
+            global layers only. None: stored as the rest (llama.cpp, vLLM).
     """
 
     engine: str
@@ -122,6 +125,7 @@ class EngineKV:
     group_meta_bits: int = 0
     needs_flash_attention: bool = False
     measured_as: str | None = None
+    window_bits: int | None = None
 
     @property
     def effective_bits(self) -> float:
@@ -143,21 +147,23 @@ class EngineKV:
         return "/" in self.name
 
     @property
-    def storage(self) -> tuple[int, int | None, int]:
-        """``(bits, group_size, group_meta_bits)`` as :func:`kvlib.memory.kv_cache_bytes` takes
-        them."""
-        return (self.bits, self.group_size, self.group_meta_bits)
+    def storage(self) -> tuple[int, int | None, int, int | None]:
+        """``(bits, group_size, group_meta_bits, window_bits)`` as
+        :func:`kvlib.memory.kv_cache_bytes` takes them."""
+        return (self.bits, self.group_size, self.group_meta_bits, self.window_bits)
 
 
 def _kvlib(level: str, bits: int) -> EngineKV:
     """kvlib's cache at ``bits`` (``dynamic-fp16`` at 16), priced as :mod:`kvlib.cache_registry`
     prices it: one fp16 scale and zero point per :func:`kvlib.cache_layout.predicted_group_size`
-    values."""
+    values, sliding-window layers in fp16."""
     if bits >= 16:
         return EngineKV("transformers", "dynamic-fp16", level, 16, measured_as="dynamic-fp16")
     name = f"kvlib-int{bits}"
     group = cache_layout.predicted_group_size(bits)
-    return EngineKV("transformers", name, level, bits, group, GROUP_META_BITS, measured_as=name)
+    return EngineKV(
+        "transformers", name, level, bits, group, GROUP_META_BITS, measured_as=name, window_bits=16
+    )
 
 
 def _ggml(name: str, level: str | None, bits: int, meta_bits: int) -> EngineKV:

@@ -104,6 +104,13 @@ def _check_meta_bits(group_meta_bits: Any) -> int:
     return check_int(group_meta_bits, "group_meta_bits", minimum=0)
 
 
+def _check_window_bits(window_bits: Any, bits: int) -> int:
+    """Bits of the sliding-window layers: ``bits`` when None."""
+    if window_bits is None:
+        return bits
+    return check_bits(window_bits, "window_bits", allowed=PRICED_BITS)
+
+
 def _check_spec(spec: Any) -> specs.ModelSpec:
     if isinstance(spec, str):
         return specs.get_spec(spec)
@@ -120,16 +127,26 @@ def kv_cache_bits(
     *,
     group_size: int | None = None,
     group_meta_bits: int = GROUP_META_BITS,
+    window_bits: int | None = None,
 ) -> int:
     """Exact number of bits of the cache (see :func:`kv_cache_bytes`)."""
     spec = _check_spec(spec)
     seq_len = check_int(seq_len, "seq_len", minimum=0)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     bits = check_bits(bits, "bits", allowed=PRICED_BITS)
+    window_bits = _check_window_bits(window_bits, bits)
     group_size = _check_group_size(group_size)
     group_meta_bits = _check_meta_bits(group_meta_bits)
     per_layer = _bits_per_token_per_layer(spec, bits, group_size, group_meta_bits)
-    return sum(per_layer * tokens for tokens in spec.tokens_cached(seq_len)) * batch_size
+    per_window = _bits_per_token_per_layer(spec, window_bits, group_size, group_meta_bits)
+    kinds = spec.layer_kinds
+    return (
+        sum(
+            (per_window if kind == "sliding" else per_layer) * tokens
+            for kind, tokens in zip(kinds, spec.tokens_cached(seq_len), strict=True)
+        )
+        * batch_size
+    )
 
 
 def kv_cache_bytes(
@@ -140,6 +157,7 @@ def kv_cache_bytes(
     *,
     group_size: int | None = None,
     group_meta_bits: int = GROUP_META_BITS,
+    window_bits: int | None = None,
 ) -> int:
     """Bytes of the KV cache of ``batch_size`` sequences of ``seq_len`` tokens each.
 
@@ -162,13 +180,22 @@ def kv_cache_bytes(
             ``group_size`` values of every cached vector.
         group_meta_bits: metadata bits per group: 32 (scale and zero point, the default) or
             16 (a scale alone, as llama.cpp's ``q8_0``/``q4_0`` blocks keep).
+        window_bits: bits per value of the sliding-window layers, when they are stored
+            otherwise than the rest (kvlib's quantized caches keep them at 16, quantizing the
+            global layers only); None: ``bits``, as llama.cpp and vLLM store them.
 
     Returns:
         The exact byte count, rounded up once to a whole byte.
     """
     return _ceil_div(
         kv_cache_bits(
-            spec, seq_len, batch_size, bits, group_size=group_size, group_meta_bits=group_meta_bits
+            spec,
+            seq_len,
+            batch_size,
+            bits,
+            group_size=group_size,
+            group_meta_bits=group_meta_bits,
+            window_bits=window_bits,
         ),
         8,
     )
@@ -303,12 +330,13 @@ def max_context(
     utilization: float = 1.0,
     group_size: int | None = None,
     group_meta_bits: int = GROUP_META_BITS,
+    window_bits: int | None = None,
 ) -> int:
     """Longest context (tokens per sequence) whose cache fits next to the weights.
 
     The cache budget is ``floor(memory_bytes × utilization) − weights_bytes(weight_bits) −
     overhead_bytes``; the result is the largest ``seq_len`` with
-    ``kv_cache_bytes(spec, seq_len, batch_size, bits) <= budget``. ``utilization`` plays the role
+    ``kv_cache_bytes(spec, seq_len, batch_size, bits, ...) <= budget``. ``utilization`` plays the role
     of vLLM's ``gpu_memory_utilization``; ``overhead_bytes`` reserves room for activations and
     the CUDA context. Memory limits only; the model's ``max_position_embeddings`` is not applied.
 
@@ -332,7 +360,13 @@ def max_context(
     def fits(n: int) -> bool:
         return (
             kv_cache_bits(
-                spec, n, batch_size, bits, group_size=group_size, group_meta_bits=group_meta_bits
+                spec,
+                n,
+                batch_size,
+                bits,
+                group_size=group_size,
+                group_meta_bits=group_meta_bits,
+                window_bits=window_bits,
             )
             <= budget
         )
@@ -370,6 +404,7 @@ def max_batch(
     utilization: float = 1.0,
     group_size: int | None = None,
     group_meta_bits: int = GROUP_META_BITS,
+    window_bits: int | None = None,
 ) -> int:
     """Most sequences of ``seq_len`` tokens whose caches fit next to the weights at once.
 
@@ -395,7 +430,13 @@ def max_batch(
     # kv_cache_bytes(b) = ceil(b × per_seq / 8) <= budget/8  ⇔  b × per_seq <= budget
     # (budget is a multiple of 8 bits)
     per_seq = kv_cache_bits(
-        spec, seq_len, 1, bits, group_size=group_size, group_meta_bits=group_meta_bits
+        spec,
+        seq_len,
+        1,
+        bits,
+        group_size=group_size,
+        group_meta_bits=group_meta_bits,
+        window_bits=window_bits,
     )
     return budget // per_seq
 

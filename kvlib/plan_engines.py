@@ -68,8 +68,7 @@ def transformers_kwargs(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
     build it with ``kvlib.cache_registry.make_cache(name, model.config)`` (or
     the CLI prints that call) and pass it as ``past_key_values=``; ``n`` is
     the batch that fits at its bytes. kvlib's caches keep a sliding-window layer's window in
-    fp16 and quantize only the global layers, which the planner does not price yet, so a model
-    with sliding-window layers gets ``dynamic-fp16``.
+    fp16 and quantize only the global layers, and the plan prices them so.
 
     Raises:
         ValueError: not one sequence fits at any level transformers runs (``hint`` says what

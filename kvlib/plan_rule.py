@@ -160,21 +160,18 @@ QUALITY_LADDER: dict[str, tuple[str, ...]] = {
     "aggressive": ("fp16", "int8", "int4", "int2"),
 }
 
-#: How a cache is stored: ``(bits, group_size, group_meta_bits)``, as
-#: :func:`kvlib.memory.kv_cache_bytes` takes them.
-Storage = tuple[int, int | None, int]
+#: How a cache is stored: ``(bits, group_size, group_meta_bits, window_bits)``, as
+#: :func:`kvlib.memory.kv_cache_bytes` takes them (:attr:`kvlib.engines.EngineKV.storage`).
+Storage = tuple[int, int | None, int, int | None]
 
 
 def kv_types(engine: str, spec: ModelSpec, device: str = "gpu") -> dict[str, EngineKV]:
     """The KV type ``engine`` uses at each level it can run for ``spec`` on ``device``, highest
     first (:func:`kvlib.engines.planned`, less what its default build does not run well there,
     :func:`kvlib.engines.runs_well`: on a GPU llama.cpp's quantized types need a head size its
-    CUDA decode kernel reads natively; kvlib's caches keep sliding-window layers in fp16 and
-    quantize only the global ones, which the planner does not price yet, so transformers runs
-    a model with sliding-window layers at fp16)."""
+    CUDA decode kernel reads natively). kvlib's caches keep sliding-window layers in fp16 and
+    quantize only the global ones, and are priced so (:attr:`~kvlib.engines.EngineKV.window_bits`)."""
     types = engines.planned(engine)
-    if engine == "transformers" and spec.num_sliding_layers > 0:
-        return {"fp16": types["fp16"]}
     return {level: t for level, t in types.items() if engines.runs_well(t, device, spec.head_dim)}
 
 
@@ -294,9 +291,15 @@ def gpu_share(spec: ModelSpec, tp: int) -> ModelSpec:
 def kv_sequence_bytes(spec: ModelSpec, context_len: int, store: Storage, tp: int = 1) -> int:
     """Rule 3: bytes one sequence of ``context_len`` tokens keeps on each GPU, stored as
     ``store = (bits, group_size, group_meta_bits)``."""
-    bits, group, meta = store
+    bits, group, meta, window = store
     return memory.kv_cache_bytes(
-        gpu_share(spec, tp), context_len, 1, bits, group_size=group, group_meta_bits=meta
+        gpu_share(spec, tp),
+        context_len,
+        1,
+        bits,
+        group_size=group,
+        group_meta_bits=meta,
+        window_bits=window,
     )
 
 
@@ -318,7 +321,7 @@ def sequences_that_fit(
     if kv_budget <= 0:
         return 0
     share = gpu_share(spec, tp)
-    bits, group, meta = store
+    bits, group, meta, window = store
     return memory.max_batch(
         share,
         _as_memory(share, kv_budget),
@@ -327,6 +330,7 @@ def sequences_that_fit(
         16,
         group_size=group,
         group_meta_bits=meta,
+        window_bits=window,
     )
 
 
@@ -372,7 +376,7 @@ def context_that_fits(
     if kv_budget <= 0:
         return 0
     share = gpu_share(spec, tp)
-    bits, group, meta = store
+    bits, group, meta, window = store
     return memory.max_context(
         share,
         _as_memory(share, kv_budget),
@@ -381,6 +385,7 @@ def context_that_fits(
         16,
         group_size=group,
         group_meta_bits=meta,
+        window_bits=window,
     )
 
 

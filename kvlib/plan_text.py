@@ -461,11 +461,13 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
             + (f" (measured {_fmt_pct(delta)} perplexity)" if delta is not None else "")
             + "; keep recent tokens in full precision and evaluate before serving"
         )
-    if spec.num_sliding_layers > 0 and "transformers" in d.options:
+    if spec.num_sliding_layers > 0 and d.engine == "transformers" and d.kv not in (None, "fp16"):
         out.append(
-            "sliding-window layers: kvlib's caches keep those windows in fp16 and quantize the "
-            "global layers only, which the planner does not price yet, so on transformers this "
-            "plan keeps an fp16 cache (transformers' QuantizedCache takes full-attention models only)"
+            f"sliding-window layers: kvlib's cache keeps the {spec.num_sliding_layers} "
+            f"sliding layers' windows ({spec.sliding_window:,} tokens) in fp16 and quantizes the "
+            f"{spec.num_full_layers} global layers only, as this plan prices it; the windows are "
+            "a fixed cost, so the saving grows with the context (transformers' own "
+            "QuantizedCache takes full-attention models only)"
         )
     if spec.is_mla and tp > 1:
         out.append(

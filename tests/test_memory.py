@@ -408,3 +408,55 @@ def test_sliding_window_against_real_cache():
             tiny(input_ids=torch.arange(n).remainder(64)[None], cache=cache, use_cache=True)
         assert cache_nbytes(cache) == kv_cache_bytes(spec, min(n, 15), bits=32)
         assert kv_cache_bytes(spec, n, bits=32) == kv_cache_bytes(spec, min(n, 16), bits=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(
+        ["gemma-2-9b", "gemma-3-27b", "gemma-3-270m", "mistral-7b-v0.1", "llama-3.1-8b"]
+    ),
+    seq_len=st.integers(0, 70_000),
+    batch=st.integers(1, 4),
+    bits=st.sampled_from([2, 4, 8]),
+    window_bits=st.sampled_from([None, 4, 8, 16]),
+)
+def test_window_bits_price_the_sliding_layers_alone(name, seq_len, batch, bits, window_bits):
+    """The cache at ``bits`` with sliding layers at ``window_bits`` is the global layers at
+    ``bits`` plus the sliding layers at ``window_bits``, each priced as its own model; None is
+    ``bits``; a model without sliding layers does not see it."""
+    spec = get_spec(name)
+    kinds = spec.layer_kinds
+    part = {
+        kind: ModelSpec(
+            kind,
+            kinds.count(kind),
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            sliding_window=spec.sliding_window if kind == "sliding" else None,
+        )
+        for kind in set(kinds)
+    }
+    wb = bits if window_bits is None else window_bits
+    expected = sum(
+        kv_cache_bits(part[k], seq_len, batch, wb if k == "sliding" else bits, group_size=32)
+        for k in part
+    )
+    got = kv_cache_bits(spec, seq_len, batch, bits, group_size=32, window_bits=window_bits)
+    assert got == expected
+    if spec.num_sliding_layers == 0:
+        assert got == kv_cache_bits(spec, seq_len, batch, bits, group_size=32)
+
+
+def test_window_bits_in_what_fits_and_bad_values():
+    spec = get_spec("gemma-2-9b")
+    gib = 2**30
+    n16 = max_batch(spec, 22 * gib, 8192, 4, window_bits=16)
+    n4 = max_batch(spec, 22 * gib, 8192, 4)
+    assert 0 < n16 < n4  # fp16 windows cost room
+    c16 = max_context(spec, 22 * gib, 1, 4, window_bits=16)
+    assert kv_cache_bytes(spec, c16, 1, 4, window_bits=16) <= 22 * gib - spec.weights_bytes()
+    assert kv_cache_bytes(spec, c16 + 1, 1, 4, window_bits=16) > 22 * gib - spec.weights_bytes()
+    for bad, error in ((7, ValueError), ("16", TypeError)):
+        with pytest.raises(error, match="window_bits"):
+            kv_cache_bytes(spec, 10, window_bits=bad)

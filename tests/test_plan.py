@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import cache_registry, engines, memory, plan_rule, specs
+from kvlib import cache_layout, cache_registry, engines, memory, plan_rule, specs
 from kvlib.plan import Plan, recommend
 from kvlib.results import RESULTS_ENV
 
@@ -186,16 +186,46 @@ def test_gemma2_sliding_window_counts_capped_layers():
     full = specs.ModelSpec("full", 42, 16, 8, 256, num_params=spec.num_params)
     assert p.kv_bytes_per_sequence_fp16 == memory.kv_cache_bytes(spec, 8192)
     assert p.kv_bytes_per_sequence_fp16 < memory.kv_cache_bytes(full, 8192)
-    # kvlib's caches quantize only the global layers of a hybrid model, which the planner does
-    # not price yet: transformers runs fp16 alone
-    assert list(plan_rule.kv_types("transformers", spec)) == ["fp16"]
+    # kvlib's caches quantize only the global layers of a hybrid model, and the plan prices so
+    assert list(plan_rule.kv_types("transformers", spec)) == list(engines.planned("transformers"))
     assert _fits(p, 16) >= 8 and p.to_transformers() == {"cache": "dynamic-fp16", "batch_size": 8}
-    # one sequence that fits only below fp16: not on transformers, so the next engine, vLLM
+    # one sequence that fits only below fp16: kvlib's int8 cache, windows in fp16
     one = recommend("gemma-2-9b", 22, 8192, results={})
-    assert one.options["transformers"].status == "impossible" and _fits(one, 16) == 0 < _fits(
-        one, 8
+    assert (one.status, one.engine, one.kv_type) == ("ok", "transformers", "kvlib-int8")
+    assert _fits(one, 16) == 0 < _fits(one, 8)
+    int8 = one.kv_storage
+    assert int8.window_bits == 16
+    assert one.kv_bytes_per_sequence == memory.kv_cache_bytes(
+        spec, 8192, bits=8, group_size=int8.group_size, window_bits=16
     )
-    assert (one.status, one.engine, one.kv_type) == ("ok", "vllm", "fp8")
+    assert any("quantizes the 21 global layers only" in w for w in one.watch)
+
+
+@pytest.mark.parametrize("name", ["gemma-2-9b", "gemma-3-27b", "gemma-3-270m", "mistral-7b-v0.1"])
+@pytest.mark.parametrize("level", ["int8", "int4", "int2"])
+def test_the_plan_prices_kvlibs_cache_on_a_hybrid_model_from_above_and_within_8_percent(
+    name, level
+):
+    """The planner's bytes for kvlib's cache on a sliding-window model against the cache's exact
+    layout (:func:`kvlib.memory.quantized_cache_bytes`: fp16 windows, sinks and residual,
+    per-channel key groups): never below at long contexts, and close."""
+    spec = specs.get_spec(name)
+    t = plan_rule.kv_types("transformers", spec)[level]
+    for ctx in (8192, 32768):
+        planned = plan_rule.kv_sequence_bytes(spec, ctx, t.storage)
+        exact = memory.quantized_cache_bytes(
+            spec,
+            ctx,
+            key_bits=t.bits,
+            value_bits=t.bits,
+            group_size=cache_layout.default_group_size(spec.head_dim),
+            key_group_size=cache_layout.default_key_group_size(
+                t.bits, cache_layout.RESIDUAL_LENGTH
+            ),
+            residual_length=cache_layout.RESIDUAL_LENGTH,
+            sink_tokens=cache_layout.SINK_TOKENS,
+        )
+        assert exact <= planned <= 1.08 * exact, (ctx, planned, exact)
 
 
 def test_impossible_and_malformed_input():

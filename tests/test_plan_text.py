@@ -90,13 +90,17 @@ def test_watch_cites_the_measured_int2_cost_and_the_limits():
     assert not any("measured" in x for x in plan_text.watch(d, {}) if x.startswith("2-bit"))
     tp16 = decide(LLAMA8, 24, 32768, 16, num_gpus=16)
     assert any("16 > 8 KV heads" in x for x in plan_text.watch(tp16, {}))
-    # sliding-window layers: transformers runs them at fp16 (said wherever transformers is an
-    # option; a CPU plan has only llama.cpp)
+    # sliding-window layers: kvlib's quantized cache keeps their windows in fp16 (said where the
+    # plan runs one; not for an fp16 plan, nor a CPU plan, which has only llama.cpp)
     gemma = specs.get_spec("gemma-2-9b")
     sliding = "sliding-window layers"
+    quantized = decide(gemma, 22, 8192)
+    assert (quantized.engine, quantized.kv_type) == ("transformers", "kvlib-int8")
     assert any(
-        sliding in x and "fp16" in x for x in plan_text.watch(decide(gemma, 48, 8192, 8), {})
+        sliding in x and "(4,096 tokens) in fp16 and quantizes the 21 global layers" in x
+        for x in plan_text.watch(quantized, {})
     )
+    assert not any(sliding in x for x in plan_text.watch(decide(gemma, 80, 8192), {}))
     assert not any(sliding in x for x in plan_text.watch(decide(gemma, 48, 8192, device="cpu"), {}))
     assert not any(sliding in x for x in plan_text.watch(d, {}))  # Llama: full attention
 
