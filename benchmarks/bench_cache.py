@@ -105,10 +105,7 @@ def segment(ids: torch.Tensor, i: int, tokens: int, bos: int | None) -> torch.Te
     """The ``i``-th run of ``tokens`` tokens of ``ids`` (1, n); when ``ids`` starts with the
     BOS token, a later segment starts with it too (in place of its first token), as a
     document does."""
-    seg = ids[:, i * tokens : (i + 1) * tokens]
-    if i > 0 and bos is not None and int(ids[0, 0]) == bos:
-        seg = torch.cat([ids[:, :1], seg[:, 1:]], dim=1)
-    return seg
+    return torch.tensor([kvlib.data.segment(ids[0].tolist(), i, tokens, bos)], dtype=ids.dtype)
 
 
 def log(line: str) -> None:

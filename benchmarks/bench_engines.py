@@ -81,14 +81,15 @@ def ggml_type(name: str) -> int:
 def open_llama(k: str, v: str, n_ctx: int, threads: int, model: str | None = None):
     """Offline model ``model``'s GGUF (default: the bundled SmolLM2) in llama.cpp with K/V cache
     types ``k``/``v`` (flash attention on: a quantized V cache needs it), logits kept for every
-    position."""
+    position. Sliding-window layers keep their window, not the whole context (``swa_full=False``,
+    llama-server's default; the library's would keep full-size windows)."""
     import llama_cpp
 
     return llama_cpp.Llama(
         model_path=str(kvlib.models.offline_model(model).locate()),
         n_ctx=n_ctx, n_batch=CHUNK, n_ubatch=CHUNK, n_threads=threads, n_threads_batch=threads,
         logits_all=True, flash_attn=True, type_k=ggml_type(k), type_v=ggml_type(v),
-        verbose=False, seed=0,
+        swa_full=False, verbose=False, seed=0,
     )  # fmt: skip
 
 
@@ -167,7 +168,8 @@ def main() -> None:
     all_ids = tok(text, return_tensors="pt").input_ids[0].tolist()
     if len(all_ids) < tokens * n_seg:
         raise SystemExit(f"the evaluation text holds only {len(all_ids)} tokens")
-    segments = [all_ids[i * tokens : (i + 1) * tokens] for i in range(n_seg)]
+    # a later segment starts with the BOS token where the text does (Gemma), as in bench_cache.py
+    segments = [kvlib.data.segment(all_ids, i, tokens, tok.bos_token_id) for i in range(n_seg)]
     decode_prompt, decode_steps = all_ids[:1024], all_ids[1024 : 1024 + 32]
 
     ppl: dict[str, list[float]] = {}

@@ -16,6 +16,7 @@ module                what it holds                                             
 ``packing``           bit-packing integer codes into bytes                            03
 ``quant``             int8/4/3/2 group quantization (``QuantizedTensor``)             02, 03
 ``cache_layout``      the quantized cache's defaults, as numbers (no torch)            03, 04
+``cache_layer``       the state check and batch operations every cache layer shares   04, 10
 ``attention``         dense reference attention (causal, GQA, ragged lengths)         02, 06
 ``compat``            one adapter over transformers' cache API                        04, 05
 ``rope``              rotary position embeddings: apply, undo, read from a model      05
@@ -71,6 +72,7 @@ _SUBMODULES = (
     "bitalloc",
     "blocks",
     "cache",
+    "cache_layer",
     "cache_layout",
     "cache_registry",
     "capacity",

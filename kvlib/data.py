@@ -8,6 +8,7 @@ reproducible on any machine, offline.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 
 def load_eval_text(max_chars: int | None = None) -> str:
@@ -49,3 +50,26 @@ def split_text(text: str, fraction: float = 0.5) -> tuple[str, str]:
     if boundary == -1:
         boundary = cut
     return text[:boundary], text[boundary:].lstrip("\n")
+
+
+def segment(ids: Sequence[int], i: int, tokens: int, bos: int | None = None) -> list[int]:
+    """The ``i``-th run of ``tokens`` token ids of ``ids``, for perplexity on consecutive
+    segments of one text. When ``ids`` starts with the BOS token ``bos`` (Gemma's tokenizer adds
+    one; SmolLM2's adds none), a later segment starts with it too, in place of its first token,
+    as a document does.
+
+    Raises:
+        ValueError: ``i`` < 0, ``tokens`` < 1, or ``ids`` too short for the segment.
+    """
+    if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+        raise ValueError(f"segment index must be an int >= 0 (got {i!r})")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1 (got {tokens!r})")
+    if len(ids) < (i + 1) * tokens:
+        raise ValueError(
+            f"segment {i} of {tokens} tokens needs {(i + 1) * tokens} ids (got {len(ids)})"
+        )
+    seg = [int(t) for t in ids[i * tokens : (i + 1) * tokens]]
+    if i > 0 and bos is not None and int(ids[0]) == bos:
+        seg[0] = bos
+    return seg

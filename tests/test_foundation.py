@@ -7,9 +7,11 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvlib
-from kvlib.data import load_eval_text, split_text
+from kvlib.data import load_eval_text, segment, split_text
 from kvlib.device import get_device, seed_everything
 from kvlib.models import (
     BUNDLED_GGUF,
@@ -218,3 +220,25 @@ def test_every_module_is_a_lazy_submodule() -> None:
     assert set(kvlib._SUBMODULES) == modules
     for name in sorted(modules):
         assert getattr(kvlib, name).__name__ == f"kvlib.{name}"
+
+
+@given(
+    ids=st.lists(st.integers(0, 50), min_size=1, max_size=60),
+    tokens=st.integers(1, 12),
+    bos=st.one_of(st.none(), st.integers(0, 50)),
+)
+def test_segments_tile_the_text_and_repeat_its_bos(ids, tokens, bos):
+    """Consecutive segments are the text cut in runs of ``tokens``; where the text starts with
+    BOS, each later segment starts with it in place of its first token, and only there."""
+    n = len(ids) // tokens
+    segs = [segment(ids, i, tokens, bos) for i in range(n)]
+    for i, seg in enumerate(segs):
+        original = ids[i * tokens : (i + 1) * tokens]
+        assert len(seg) == tokens and seg[1:] == original[1:]
+        starts = bos is not None and ids[0] == bos
+        assert seg[0] == (bos if starts else original[0])
+    with pytest.raises(ValueError, match="needs"):
+        segment(ids, n, tokens, bos)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="segment index"):
+            segment(ids, bad, tokens)
