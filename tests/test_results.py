@@ -29,6 +29,7 @@ SECTION_RUNS = {
     "CPU: the bundled SmolLM2-135M, every cache side by side (notebook 07)": "full_model_cpu",
     "CPU dry run of the GPU check": "gpu_check_dry_run",
     "llama.cpp's KV-cache types on the bundled GGUF (benchmarks/bench_engines.py)": "llama.cpp",
+    "The same types on Gemma 3 270M (run `llama.cpp/gemma-3-270m`)": "llama.cpp/gemma-3-270m",
     "Every family at equal bytes (benchmarks/bench_eviction.py)": "eviction",
     "Group size of eviction on int4 (benchmarks/bench_eviction.py --int4-groups)": "eviction_int4_groups",
     "kvlib's policies against kvpress 0.5.5 (benchmarks/bench_kvpress.py)": "kvpress",
