@@ -1,4 +1,4 @@
-"""kvlib.cache.QuantizedKVCache vs transformers' QuantizedCache (quanto, HQQ, fp8), in one run.
+"""kvlib.caches.quantized.QuantizedKVCache vs transformers' QuantizedCache (quanto, HQQ, fp8), in one run.
 
 Perplexity on ``kvlib.data.load_eval_text()`` fed in chunks of 64 tokens (so attention reads the
 cached, quantized past), % delta vs the fp32 DynamicCache, cache bytes vs fp16 (measured after
@@ -6,7 +6,7 @@ the text, and at 4096 tokens by feeding 4096 random states through every layer: 
 only on shapes), wall time; then decode speed (kvlib int4 vs DynamicCache vs quanto int4).
 Prints Markdown tables with PASS/FAIL for the issue's targets and writes
 run ``"cache"`` of ``kvlib/results.json`` (:mod:`kvlib.results`; read by the planner and notebooks
-04 and 08), rows keyed by :mod:`kvlib.cache_registry` names.
+04 and 08), rows keyed by :mod:`kvlib.caches.registry` names.
 
     .venv/bin/python benchmarks/bench_cache.py           # 2048 tokens, decode 1024 + 128
     .venv/bin/python benchmarks/bench_cache.py --quick   # 1024 tokens, decode 1024 + 64
@@ -15,7 +15,7 @@ run ``"cache"`` of ``kvlib/results.json`` (:mod:`kvlib.results`; read by the pla
 ``--model`` names one of :data:`kvlib.models.OFFLINE_MODELS`; a run on another model than the
 default is written as run ``"cache/<model>"`` (:func:`kvlib.results.run_name`). On a model with
 sliding-window layers (Gemma 3) every cache keeps the windows in float16 and quantizes the
-global layers only (:mod:`kvlib.cache_registry`), so the rows differ where the quantizer does.
+global layers only (:mod:`kvlib.caches.registry`), so the rows differ where the quantizer does.
 A segment after the first starts with the tokenizer's BOS token when the first one does
 (Gemma's tokenizer adds it; SmolLM2's adds none), so that every segment is a document start.
 
@@ -40,8 +40,10 @@ from _machine import machine
 from tqdm import tqdm
 
 import kvlib
-from kvlib import cache_registry, compat, quality, results
-from kvlib.cache import QuantizedKVCache
+from kvlib import compat, results
+from kvlib.caches import registry as cache_registry
+from kvlib.caches.quantized import QuantizedKVCache
+from kvlib.eval import quality
 from kvlib.memory import kv_cache_bytes
 from kvlib.specs import kv_geometry, spec_from_config
 
@@ -50,7 +52,7 @@ TARGET_PPL = {8: 0.05, 4: 0.1, 3: 0.5, 2: 10.0}
 TARGET_BYTES = {8: 1.8, 4: 3.0, 2: 4.5}
 
 
-#: The caches compared, by their kvlib.cache_registry names (the reference DynamicCache is added
+#: The caches compared, by their kvlib.caches.registry names (the reference DynamicCache is added
 #: first, named for the model's dtype). For each width, kvlib's defaults, the variant with the
 #: rotation switched the other way, and the KIVI block layout.
 BENCH_CACHES = (

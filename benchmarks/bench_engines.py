@@ -9,7 +9,7 @@ q4_0, iq4_nl, and mixed K/V pairs) and measures, per type:
   tokenizer), the same consecutive 2,048-token segments of ``kvlib.data.load_eval_text()``,
   fed 64 tokens at a time so that every chunk reads the quantized past; the delta is taken
   against llama.cpp's own f16 cache, segment by segment;
-- bytes per token from ggml's block formats (``kvlib.engines``: q8_0 8.5 bits, q4_0 4.5, …);
+- bytes per token from ggml's block formats (``kvlib.plan.engines``: q8_0 8.5 bits, q4_0 4.5, …);
 - decode tokens/s after a 1,024-token prompt (median of ``torch.utils.benchmark`` blocks), and
   its ratio to f16, measured side by side in this run.
 
@@ -48,8 +48,9 @@ from _timing import measure
 from tqdm import tqdm
 
 import kvlib
-from kvlib import engines, results
+from kvlib import results
 from kvlib.memory import kv_cache_bytes
+from kvlib.plan import engines
 from kvlib.specs import spec_from_config
 
 #: (K type, V type) pairs measured: every type alone, then 8-bit keys (the side with outlier
@@ -127,7 +128,7 @@ BYTES_AT_TOKENS = 4096
 
 def bytes_per_token(config, k: str, v: str, tokens: int = BYTES_AT_TOKENS) -> float:
     """K and V bytes per token of a ``tokens``-token cache from ggml's block formats
-    (:mod:`kvlib.engines`; sliding layers hold their window, :func:`kvlib.memory.kv_cache_bytes`)."""
+    (:mod:`kvlib.plan.engines`; sliding layers hold their window, :func:`kvlib.memory.kv_cache_bytes`)."""
     spec = spec_from_config(config)
     half = []
     for t in (k, v):

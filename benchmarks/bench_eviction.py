@@ -4,11 +4,11 @@ For budgets of 1/2, 1/4, 1/8 and 1/16 of the fp16 cache's bytes, one run measure
 
 * quantization: kvlib's ``kvlib-int8`` … ``kvlib-int2`` (their size is fixed by the bit width:
   a row counts at a budget when its bytes fit);
-* eviction: every policy of :mod:`kvlib.eviction` (``evict-<policy>``: float16 keys and values)
+* eviction: every policy of :mod:`kvlib.caches.eviction.cache` (``evict-<policy>``: float16 keys and values)
   given exactly the budget's bytes (``max_bytes``);
 * eviction on int4: ``evict-<policy>-int4`` at the same bytes (about 3.5x the tokens; the newest
   ``INT_RESIDUAL`` in float16);
-* PCA transform coding (``kvtc@1/<k>``, :mod:`kvlib.kvtc`, notebook 05) where it applies:
+* PCA transform coding (``kvtc@1/<k>``, :mod:`kvlib.kvtc.codec`, notebook 05) where it applies:
   storage between turns. The prompt's cache is encoded, stored and decoded, and the answer is
   decoded from it, so it has retrieval rows and no perplexity (it is not a live cache that
   attention reads while decoding); its bytes are the stored bytes.
@@ -16,10 +16,10 @@ For budgets of 1/2, 1/4, 1/8 and 1/16 of the fp16 cache's bytes, one run measure
 on two qualities: perplexity on ``kvlib.data``'s text fed in chunks of 64 tokens (as in
 ``bench_cache.py``: every chunk reads the cache) on ``--segments`` consecutive 2,048-token
 segments (one segment is noisy, ±0.2 points: the tables read the mean), and pass-key retrieval accuracy
-(:mod:`kvlib.retrieval`, Wilson 95 % interval) at ~1k and ~2k tokens, plus the multi-key
+(:mod:`kvlib.eval.retrieval`, Wilson 95 % interval) at ~1k and ~2k tokens, plus the multi-key
 variant (4 keys, one asked) at ~1k; budgets are taken from the fp16 bytes of each context.
 Every cache answers the same prompts, with one prefill per prompt shared by all of them
-(:func:`kvlib.retrieval.compare_retrieval`, exact).
+(:func:`kvlib.eval.retrieval.compare_retrieval`, exact).
 
 Writes run ``"eviction"`` of ``kvlib/results.json`` (rows keyed ``<registry name>@1/<k>`` for
 eviction and transform coding, by registry name for quantization and the reference), and
@@ -48,7 +48,12 @@ import transformers
 from _machine import machine
 
 import kvlib
-from kvlib import cache_registry, eviction, kvtc, pca, quality, results, retrieval
+from kvlib import results
+from kvlib.caches import registry as cache_registry
+from kvlib.caches.eviction import cache as eviction
+from kvlib.eval import quality, retrieval
+from kvlib.kvtc import codec as kvtc
+from kvlib.kvtc import pca
 from kvlib.specs import kv_geometry
 
 QUANT = ("kvlib-int8", "kvlib-int4", "kvlib-int3", "kvlib-int2")

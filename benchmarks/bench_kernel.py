@@ -1,4 +1,4 @@
-"""Fused decode-attention kernel benchmark (kvlib.kernels, notebook 09): needs a CUDA GPU.
+"""Fused decode-attention kernel benchmark (kvlib.kernels.decode, notebook 09): needs a CUDA GPU.
 
     .venv/bin/python benchmarks/bench_kernel.py              # on a GPU (a few minutes)
     .venv/bin/python benchmarks/bench_kernel.py --quick      # shorter timings, fewer contexts
@@ -11,12 +11,12 @@ Prints markdown tables, all rows of a table measured side by side in one run:
    cases (batch 16 at 16k, batch 1 at 128k): fp16 ``scaled_dot_product_attention`` (flash
    backend) over an fp16 cache; kvlib's torch path (``QuantizedKVLayer`` dequantizes its whole
    past, then SDPA); transformers' ``QuantizedCache`` with quanto int4 (append and read, then
-   SDPA); the fused kernel (:func:`kvlib.kernels.decode_attention`) over kvlib-int8/int4/int2
+   SDPA); the fused kernel (:func:`kvlib.kernels.decode.decode_attention`) over kvlib-int8/int4/int2
    storage with the cache's defaults. Also: bytes one step must read (fp16 cache vs the int4
    codes, scales, zero points, sinks and window), and the bandwidth achieved as a fraction of
    the GPU's peak (its data-sheet figure where the name is known, else a measured copy);
 2. whole-model decode tokens/s at 32k context for a randomly initialised model of a real
-   architecture (``kvlib.model_choice.random_model``, default llama-3.1-8b): fp16/bf16
+   architecture (``kvlib.eval.model_choice.random_model``, default llama-3.1-8b): fp16/bf16
    ``DynamicCache``, kvlib-int4 with the fused kernel, kvlib-int4 on the torch path.
 
 Results go to run ``"kernel"`` of ``kvlib/results.json`` (``--no-json`` skips it,
@@ -29,7 +29,7 @@ times are the interpreter's, not a GPU's): it proves the script works (tests/tes
 
 Times are medians per call from ``torch.utils.benchmark``'s ``blocked_autorange`` (warm-up and
 CUDA synchronisation included, ``benchmarks/_timing.py``); whole-model decoding uses
-:func:`kvlib.quality.generation_benchmark` (fresh cache per repeat).
+:func:`kvlib.eval.quality.generation_benchmark` (fresh cache per repeat).
 """
 
 from __future__ import annotations
@@ -51,15 +51,16 @@ if CPU_CHECK:  # before triton is first imported (kvlib imports it lazily)
 import torch.nn.functional as F  # noqa: E402
 from _timing import measure  # noqa: E402
 
-from kvlib import compat, kernels, results  # noqa: E402
-from kvlib.cache import (  # noqa: E402
+from kvlib import compat, results  # noqa: E402
+from kvlib.caches.quantized import (  # noqa: E402
     QuantizedKVCache,
     QuantizedKVLayer,
     default_group_size,
     default_key_group_size,
     default_rotate,
 )
-from kvlib.quant import hadamard, quantize  # noqa: E402
+from kvlib.kernels import decode as kernels  # noqa: E402
+from kvlib.quant.tensor import hadamard, quantize  # noqa: E402
 
 NO_GPU = (
     "bench_kernel.py: no CUDA GPU on this machine; the fused kernel is timed on a GPU only "
@@ -292,9 +293,9 @@ def bench_model(
     spec: str, context: int, new_tokens: int, repeats: int, device: torch.device, cpu: bool
 ) -> dict[str, Any]:
     """Whole-model decode tokens/s at ``context`` tokens, three caches side by side."""
-    from kvlib.cache_registry import reference_name
-    from kvlib.model_choice import random_model
-    from kvlib.quality import generation_benchmark
+    from kvlib.caches.registry import reference_name
+    from kvlib.eval.model_choice import random_model
+    from kvlib.eval.quality import generation_benchmark
 
     shrink = {"num_layers": 1, "vocab_size": 256, "intermediate_size": 64} if cpu else {}
     # toy blocks on CPU, so that a 40-token context holds quantized blocks

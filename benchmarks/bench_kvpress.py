@@ -7,7 +7,7 @@ runs as a peer in its own virtual environment, the way a user would compare the 
     .venv/bin/python benchmarks/bench_kvpress.py
 
 This script (in the project's environment) builds seeded pass-key prompts
-(:mod:`kvlib.retrieval`, ~1k tokens), hands their token ids and the bundled model's
+(:mod:`kvlib.eval.retrieval`, ~1k tokens), hands their token ids and the bundled model's
 safetensors copy to ``.venv-kvpress/bin/python benchmarks/bench_kvpress.py --peer``, and runs
 kvlib's policies on the same ids. For kvpress's ``StreamingLLMPress``, ``SnapKVPress`` and
 ``KnormPress`` and kvlib's ``streaming``, ``snapkv`` and ``knorm`` at the same number of kept
@@ -17,7 +17,7 @@ in one pass, as kvlib's retrieval task does), it compares
 * which tokens are kept: per layer and KV head, the overlap ``|A ∩ B| / |A|`` of the kept
   positions (kvpress's are found by matching its kept key rows to the full prefill's);
 * the answers: greedy decoding after the prefill, with positions continuing from the prompt
-  length (kvpress's pipeline does the same), scored as :mod:`kvlib.retrieval` scores them.
+  length (kvpress's pipeline does the same), scored as :mod:`kvlib.eval.retrieval` scores them.
   kvpress compresses once, after the prefill, and lets the answer's tokens add to the cache;
   kvlib's caches keep their budget while decoding too, so here each kvlib layer is given room
   for the answer after the prefill (the answers then compare the same computation).
@@ -114,8 +114,9 @@ def kvlib_side(model, tok, prompts, ratios, kept_prompts):
     """kvlib's kept positions and answers for the same prompts and budgets."""
     import torch
 
-    from kvlib import compat, retrieval
-    from kvlib.eviction import EvictionCache, capture_queries
+    from kvlib import compat
+    from kvlib.caches.eviction.cache import EvictionCache, capture_queries
+    from kvlib.eval import retrieval
 
     eos = retrieval._eos_ids(model)
     runs = []
@@ -178,7 +179,8 @@ def main() -> None:
     from _machine import machine
 
     import kvlib
-    from kvlib import results, retrieval
+    from kvlib import results
+    from kvlib.eval import retrieval
     from kvlib.models import load_model, model_folder
 
     torch.set_num_threads(args.threads)

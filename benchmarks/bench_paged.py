@@ -5,15 +5,15 @@
 
 Prints markdown tables:
 
-1. the serving simulation (kvlib.serving) on a seeded ShareGPT-like trace: KV memory wasted
+1. the serving simulation (kvlib.eval.serving) on a seeded ShareGPT-like trace: KV memory wasted
    (reserved but unused), peak / mean concurrent sequences, completed requests per 1000 steps,
    for contiguous max-length reservation, exact-length reservation (oracle) and paging at block
    sizes 8 / 16 / 32;
 2. parallel sampling (4 samples of a 1024-token prompt) with and without prefix sharing;
-3. paged attention (kvlib.paged.paged_attention, a gather-then-einsum reference) against dense
+3. paged attention (kvlib.caches.paged.paged_attention, a gather-then-einsum reference) against dense
    ``scaled_dot_product_attention`` over padded contiguous K/V at the same lengths (side by
    side in one run);
-4. generation with kvlib.paged.PagedCache vs transformers' DynamicCache on the bundled model.
+4. generation with kvlib.caches.paged.PagedCache vs transformers' DynamicCache on the bundled model.
 
 The same figures, at the precision the tables print, are also written as run ``"paged"`` of
 ``kvlib/results.json`` (:func:`kvlib.results.record_run`; ``--no-json`` skips it).
@@ -34,8 +34,8 @@ from _timing import measure
 from tqdm import tqdm
 
 from kvlib import results
-from kvlib.paged import PagedCache, PagedKVCache, paged_attention, parallel_sampling
-from kvlib.serving import SMOLLM2_FP16_BYTES_PER_TOKEN, make_trace, simulate_serving
+from kvlib.caches.paged import PagedCache, PagedKVCache, paged_attention, parallel_sampling
+from kvlib.eval.serving import SMOLLM2_FP16_BYTES_PER_TOKEN, make_trace, simulate_serving
 
 CAPACITY = 2**30  # 1 GiB of KV memory (~46.6k tokens of SmolLM2-135M in fp16)
 MAX_LEN = 2048  # the engine's maximum sequence length (trace and simulation)

@@ -1,4 +1,4 @@
-"""PCA transform coding (kvlib.kvtc, KVTC-style) vs kvlib's integer caches: rate vs perplexity.
+"""PCA transform coding (kvlib.kvtc.codec, KVTC-style) vs kvlib's integer caches: rate vs perplexity.
 
     .venv/bin/python benchmarks/bench_pca.py           # 1536-token prefix + 512 scored tokens
     .venv/bin/python benchmarks/bench_pca.py --quick   # 768 + 256, fewer points, short timings
@@ -6,18 +6,18 @@
 Protocol (issue 5): fit the bases on the first half of the evaluation corpus
 (``kvlib.data.split_text``), take a prefix from the second half, prefill it into a DynamicCache,
 ``encode`` it, ``decode`` it, then score the next tokens chunk by chunk (64 at a time) reading
-the decoded cache (``kvlib.quality.continuation_perplexity``), against the same continuation read
+the decoded cache (``kvlib.eval.quality.continuation_perplexity``), against the same continuation read
 from the uncompressed cache. Compression = fp16 bytes of the prefix cache / real encoded bytes
 (header, fp16 sink + recent window, entropy-coded codes, checksum). Encode and decode times are
 medians per call from ``torch.utils.benchmark``'s ``blocked_autorange`` (warm-up included, at
 least ``--min-run-time`` seconds measured each; ``benchmarks/_timing.py``). A tqdm progress bar
 on stderr counts bases, PCA points and integer rows (off when stderr is not a terminal).
 
-Integer rows: ``kvlib.cache.QuantizedKVCache(config, bits=b)`` (KIVI layout, 4 sinks, 128-token
+Integer rows: ``kvlib.caches.quantized.QuantizedKVCache(config, bits=b)`` (KIVI layout, 4 sinks, 128-token
 fp16 window) — the prefix is prefilled into it and the continuation is fed into the same cache,
 so the continuation is quantized as it goes; bytes are ``nbytes()`` vs ``fp16_nbytes()`` after
 the prefix. "prefix-only" rows store just the prefix with the same layout
-(``kvlib.recipes.quantize_kv``) and continue in full precision — exactly the PCA protocol.
+(``kvlib.quant.recipes.quantize_kv``) and continue in full precision — exactly the PCA protocol.
 
 Bases are cached in ``kvlib.models.cache_dir() / "pca"`` (keyed by their settings) so reruns
 skip calibration; ``--refit`` fits them again and reports the fit time.
@@ -36,9 +36,12 @@ from _timing import median_seconds
 from tqdm import tqdm
 
 import kvlib
-from kvlib import compat, kvtc, pca, quality, results
+from kvlib import compat, results
+from kvlib.eval import quality
+from kvlib.kvtc import codec as kvtc
+from kvlib.kvtc import pca
 from kvlib.models import cache_dir, load_model
-from kvlib.recipes import KVRecipe, quantize_kv
+from kvlib.quant.recipes import KVRecipe, quantize_kv
 
 TARGET_RATIO, TARGET_DELTA = 8.0, 5.0
 
@@ -127,7 +130,7 @@ def main() -> None:
             bar.update()
 
     for bits in (8, 4, 3, 2):
-        qc = kvlib.cache.QuantizedKVCache(model.config, bits=bits)
+        qc = kvlib.caches.quantized.QuantizedKVCache(model.config, bits=bits)
         kvlib.compat.forward(model, prefix, qc)
         ratio = qc.fp16_nbytes() / qc.nbytes()
         ppl = quality.continuation_perplexity(model, qc, nxt)

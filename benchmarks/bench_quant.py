@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 import kvlib
 from kvlib import results
-from kvlib.quant import quantize
+from kvlib.quant.tensor import quantize
 
 
 @dataclass

@@ -10,7 +10,7 @@ torch and transformers), and measures, per ``kv_cache_dtype``:
   fed 64 tokens at a time (``max_num_batched_tokens=64`` with chunked prefill, so every chunk
   reads the cached K/V), each token's log-prob from ``SamplingParams(prompt_logprobs=0)``; the
   delta is taken against vLLM's own ``auto`` cache, segment by segment;
-- bytes per token from :mod:`kvlib.engines` and :func:`kvlib.memory.kv_bytes_per_token`;
+- bytes per token from :mod:`kvlib.plan.engines` and :func:`kvlib.memory.kv_bytes_per_token`;
 - capacity: the tokens vLLM reports for a KV space ("CPU KV cache size: N tokens") next to
   :func:`kvlib.memory.vllm_kv_capacity_tokens`'s prediction for the same bytes.
 
@@ -48,8 +48,9 @@ from typing import Any
 
 from bench_engines import CHUNK
 
-from kvlib import engines, results
+from kvlib import results
 from kvlib.memory import GIB, kv_bytes_per_token, vllm_kv_capacity_tokens
+from kvlib.plan import engines
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -90,7 +91,7 @@ def deltas_pct(values: list[float], reference: list[float]) -> list[float]:
 
 
 def bits_of(dtype: str) -> int | None:
-    """Bits per stored value of a vLLM ``kv_cache_dtype`` (:mod:`kvlib.engines`), None for one
+    """Bits per stored value of a vLLM ``kv_cache_dtype`` (:mod:`kvlib.plan.engines`), None for one
     kvlib does not price (``int8_per_token_head``: per-token-head scales)."""
     try:
         return engines.kv_type("vllm", dtype).bits

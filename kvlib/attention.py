@@ -1,8 +1,8 @@
 """Dense reference attention: the one ``softmax(q kᵀ / √d) v`` that kvlib checks itself against.
 
 Introduced in notebook 02, where the error of a quantized cache is measured on what attention
-computes from it (:func:`kvlib.capture.attention_output_error`), and used again in notebook 06,
-where paged attention (:func:`kvlib.paged.paged_attention`) must equal it.
+computes from it (:func:`kvlib.eval.capture.attention_output_error`), and used again in notebook 06,
+where paged attention (:func:`kvlib.caches.paged.paged_attention`) must equal it.
 
 Shapes follow transformers: queries ``(batch, heads, q_len, head_dim)``, keys and values
 ``(batch, kv_heads, kv_len, head_dim)``. With grouped-query attention each KV head serves

@@ -26,9 +26,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from kvlib import memory, plan, specs
+from kvlib import memory, specs
 from kvlib.memory import GIB
-from kvlib.plan_rule import DEVICES, QUALITIES, WEIGHT_BITS
+from kvlib.plan import planner as plan
+from kvlib.plan.rule import DEVICES, QUALITIES, WEIGHT_BITS
 from kvlib.results import RESULTS_ENV
 from kvlib.validate import check_int, check_number
 
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="recommend a KV-cache setting and engine flags",
         description="Recommend the KV-cache setting for a model, memory, context and load, with "
-        "transformers / vLLM / llama.cpp settings (rules: kvlib.plan_rule's docstring). Memory "
+        "transformers / vLLM / llama.cpp settings (rules: kvlib.plan.rule's docstring). Memory "
         "is in GiB, as GPUs are labelled: --gpu-memory 80 and 80GB both mean 80 GiB. A request "
         "that does not fit gets 'would fit:' lines; one says whether token eviction would hold "
         "it, with its measured cost (never chosen as the setting: it drops tokens).",
@@ -310,7 +311,7 @@ def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
         try:
             t = p.to_transformers()
             lines.append(
-                f"transformers: model.generate(..., past_key_values=kvlib.cache_registry."
+                f"transformers: model.generate(..., past_key_values=kvlib.caches.registry."
                 f"make_cache({t['cache']!r}, model.config)), batch of {t['batch_size']}"
             )
         except ValueError as exc:

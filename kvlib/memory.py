@@ -19,7 +19,7 @@ zero-point per group of ``group_size`` values along ``head_dim`` (or along the M
 added: ``group_meta_bits=32`` per group. Formats that keep a scale alone pass
 ``group_meta_bits=16`` (llama.cpp's ``q8_0``/``q4_0``: blocks of 32 values, one fp16 scale).
 
-:func:`quantized_cache_bytes` is the exact count for :class:`kvlib.cache.QuantizedKVCache`'s own
+:func:`quantized_cache_bytes` is the exact count for :class:`kvlib.caches.quantized.QuantizedKVCache`'s own
 layout (packed blocks, per-channel key and per-token value metadata, full-precision sinks and
 window, sliding layers at their window), which the cache's ``nbytes()`` meets byte for byte.
 
@@ -237,7 +237,7 @@ def quantized_cache_bytes(
     window_bits: int = 16,
     rotate: bool = False,
 ) -> int:
-    """Bytes :class:`kvlib.cache.QuantizedKVCache` holds after ``seq_len`` tokens, exactly.
+    """Bytes :class:`kvlib.caches.quantized.QuantizedKVCache` holds after ``seq_len`` tokens, exactly.
 
     A full-attention layer holds, per sequence and KV head, with ``s = min(seq_len,
     sink_tokens)``, ``n = (seq_len - s) // residual_length`` quantized blocks and ``r =

@@ -226,7 +226,7 @@ def block_map(
     title: str | None = None,
     annotate: bool = True,
 ) -> Any:
-    """The physical blocks of a :class:`kvlib.blocks.BlockAllocator`, drawn as a grid.
+    """The physical blocks of a :class:`kvlib.caches.blocks.BlockAllocator`, drawn as a grid.
 
     Each cell is one physical block (numbered row by row): coloured by the sequence that holds
     it, grey with ``a+b`` when several sequences share it, white when free. ``annotate`` writes
@@ -274,7 +274,7 @@ def block_map(
 
 
 def serving_panels(stats: Mapping[str, Any], *, axes: Any = None) -> Any:
-    """Three panels for :func:`kvlib.serving.simulate_serving` results, one entry per policy.
+    """Three panels for :func:`kvlib.eval.serving.simulate_serving` results, one entry per policy.
 
     Args:
         stats: ``{label: ServingStats}``.

@@ -1,7 +1,7 @@
 """The project's measured results: one versioned JSON file, shipped with the package.
 
 Every benchmark writes what it measured to ``kvlib/results.json`` with :func:`record_run`; the
-planner (:mod:`kvlib.plan`), notebook 08 and the CLI read it with :func:`load_results`. Because
+planner (:mod:`kvlib.plan.planner`), notebook 08 and the CLI read it with :func:`load_results`. Because
 it is package data, it works the same after ``pip install`` and on Colab as in a checkout.
 ``benchmarks/RESULTS.md`` keeps the prose and the tables for people; nothing parses it (a test
 checks that every figure its tables quote is in the JSON).
@@ -21,7 +21,7 @@ than the default (SmolLM2-135M) carries the model's offline name after a slash:
 ``"cache/gemma-3-270m"`` (:func:`run_name`; :func:`model_runs` gathers a run's models).
 
 A run holds one command's output. Its ``rows`` (and any other groups of rows) map a row name to
-its figures; cache rows are keyed by :mod:`kvlib.cache_registry` names, so one name goes from the
+its figures; cache rows are keyed by :mod:`kvlib.caches.registry` names, so one name goes from the
 benchmark to the notebook and the CLI.
 """
 
@@ -242,7 +242,7 @@ def _number(x: Any) -> float | None:
 def cache_cost(
     name: str, results: Mapping[str, Any] | None = None
 ) -> dict[str, float | list[float]]:
-    """The measured figures of one cache (a :mod:`kvlib.cache_registry` name) from the cache
+    """The measured figures of one cache (a :mod:`kvlib.caches.registry` name) from the cache
     benchmark: ``perplexity``, ``perplexity_delta_pct`` (vs the reference DynamicCache on the
     protocol segment), ``perplexity_delta_pct_mean`` (over segments, where measured),
     ``x_smaller_than_fp16`` (fp16 bytes / the cache's bytes on the evaluated text) and

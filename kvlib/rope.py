@@ -3,7 +3,7 @@
 The keys a KV cache holds are *post-rotary*: channel pairs ``(i, i + rot_dim/2)`` of every head
 are rotated by the angle ``position · inv_freq[i]``. The rotation depends on the token's position,
 which spreads a key's energy over each rotated pair and hides the correlation across tokens that
-a transform such as PCA (:mod:`kvlib.pca`) needs. :func:`undo_rope` rotates each token back by its
+a transform such as PCA (:mod:`kvlib.kvtc.pca`) needs. :func:`undo_rope` rotates each token back by its
 own angle; :func:`apply_rope` re-applies the model's rotation bit for bit (same float32 angle
 arithmetic as transformers' ``LlamaRotaryEmbedding``); :func:`rope_parameters` reads
 ``(inv_freq, attention_scaling)`` from a transformers model.

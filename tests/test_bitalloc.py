@@ -1,4 +1,4 @@
-"""kvlib.bitalloc: allocations against brute force, and the per-component uniform quantizer."""
+"""kvlib.kvtc.bitalloc: allocations against brute force, and the per-component uniform quantizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.bitalloc import (
+from kvlib.kvtc.bitalloc import (
     GAUSSIAN_UNIFORM_DISTORTION,
     MAX_BITS,
     allocate_bits,

@@ -1,4 +1,4 @@
-"""Tests for kvlib.blocks: the block allocator (tables, reference counts, fork, copy-on-write).
+"""Tests for kvlib.caches.blocks: the block allocator (tables, reference counts, fork, copy-on-write).
 
 The same bookkeeping under random operations, with real K/V data behind it, is tested in
 tests/test_paged.py (``test_allocator_invariants_under_random_ops``).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlib.blocks import BlockAllocator, OutOfBlocks, blocks_needed
+from kvlib.caches.blocks import BlockAllocator, OutOfBlocks, blocks_needed
 
 # --- BlockAllocator ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""kvlib.cache.QuantizedKVCache: agreement with DynamicCache, byte accounting, batch, chunked
+"""kvlib.caches.quantized.QuantizedKVCache: agreement with DynamicCache, byte accounting, batch, chunked
 prefill, reset, quantize-once, bad input, and a property test of the layer."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from kvlib import compat, quality
-from kvlib.cache import QuantizedKVCache, QuantizedKVLayer
-from kvlib.packing import packed_nbytes
-from kvlib.quant import hadamard
+from kvlib import compat
+from kvlib.caches.quantized import QuantizedKVCache, QuantizedKVLayer
+from kvlib.eval import quality
+from kvlib.quant.packing import packed_nbytes
+from kvlib.quant.tensor import hadamard
 
 
 def tiny_config(layers: int = 2, kv_heads: int = 2, head_dim: int = 16) -> LlamaConfig:
@@ -177,7 +178,7 @@ def test_byte_accounting_hand_count():
         assert cache.nbytes() == 2 * per_layer
         assert compat.cache_nbytes(cache) == cache.nbytes()
         assert cache.fp16_nbytes() == 2 * (2 * b * h * t * d * 2)
-        # kvlib.quant's own count agrees for the codes
+        # kvlib.quant.tensor's own count agrees for the codes
         assert cache.layers[0].key_blocks.code_nbytes == n * packed_nbytes(b * h * r * d, kb)
     rotated = QuantizedKVCache(cfg, 4, group_size=g, residual_length=r, rotate=True)
     feed(rotated, k, v, [t])
@@ -273,7 +274,7 @@ def test_block_is_quantized_once():
         assert torch.equal(state(layer)[name][:1], before), name
     assert torch.equal(layer.sink_keys, sinks)
     # the stored block 0 is what quantizing the original (fp16-rounded) tokens 4..35 gives
-    from kvlib.quant import quantize
+    from kvlib.quant.tensor import quantize
 
     q = quantize(k[:, :, 4:36].half().unsqueeze(0).contiguous(), 2, axis=3)
     assert torch.equal(layer.key_blocks.packed[:1].reshape(-1), q.packed)
@@ -363,7 +364,7 @@ def test_layer_property_reconstruction(
         orig_v = v[:, :, blocks].reshape(batch, 2, nb, residual_length, d).permute(2, 0, 1, 3, 4)
         assert _half_step_ok(layer.key_blocks, orig_k)
         assert _half_step_ok(layer.value_blocks, orig_v)
-        # the fast read path equals kvlib.quant's reference dequantization
+        # the fast read path equals kvlib.quant.tensor's reference dequantization
         ref_k = layer.key_blocks.dequantize(torch.float32).permute(1, 2, 0, 3, 4)
         ref_v = layer.value_blocks.dequantize(torch.float32).permute(1, 2, 0, 3, 4)
         torch.testing.assert_close(rk[:, :, blocks], ref_k.reshape(batch, 2, -1, d))

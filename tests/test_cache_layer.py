@@ -1,4 +1,4 @@
-"""kvlib.cache_layer: the state check and the batch operations every kvlib cache layer shares."""
+"""kvlib.caches.base: the state check and the batch operations every kvlib cache layer shares."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.cache import QuantizedKVLayer
-from kvlib.cache_layer import check_states, row_indices
-from kvlib.eviction import EvictionLayer
-from kvlib.sliding import SlidingWindowLayer
+from kvlib.caches.base import check_states, row_indices
+from kvlib.caches.eviction.cache import EvictionLayer
+from kvlib.caches.quantized import QuantizedKVLayer
+from kvlib.caches.sliding import SlidingWindowLayer
 
 LAYERS = {
     "quantized": lambda: QuantizedKVLayer(4, 4, group_size=16, residual_length=16, sink_tokens=2),

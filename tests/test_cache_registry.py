@@ -1,4 +1,4 @@
-"""kvlib.cache_registry: one name per cache, defaults read from the classes."""
+"""kvlib.caches.registry: one name per cache, defaults read from the classes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import re
 import pytest
 import torch
 
-from kvlib import cache_layout, cache_registry
-from kvlib.model_choice import random_config
+from kvlib.caches import layout as cache_layout
+from kvlib.caches import registry as cache_registry
+from kvlib.eval.model_choice import random_config
 
 REFERENCES = {
     "dynamic-fp32": torch.float32,
@@ -67,7 +68,7 @@ def test_factories_make_fresh_caches(config):
 
 
 def test_kvlib_factories(config):
-    from kvlib.cache import QuantizedKVCache
+    from kvlib.caches.quantized import QuantizedKVCache
 
     for bits in (8, 4, 2):
         cache = cache_registry.make_cache(f"kvlib-int{bits}", config)
@@ -78,7 +79,7 @@ def test_defaults_are_read_from_the_classes():
     """The entries follow the classes' defaults: a changed default changes the registry."""
     from transformers.cache_utils import QuantizedLayer
 
-    from kvlib import cache as kvcache
+    from kvlib.caches import quantized as kvcache
 
     init = inspect.signature(kvcache.QuantizedKVCache.__init__).parameters
     window = init["residual_length"].default + init["sink_tokens"].default

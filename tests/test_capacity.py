@@ -1,4 +1,4 @@
-"""kvlib.capacity: what fits in a memory budget, predicted (capped at the model's maximum
+"""kvlib.eval.capacity: what fits in a memory budget, predicted (capped at the model's maximum
 context) and measured, with out-of-memory caught and memory released."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import capacity, memory
-from kvlib.cache_registry import cache_factory, cache_info, reference_name
+from kvlib import memory
+from kvlib.caches.registry import cache_factory, cache_info, reference_name
+from kvlib.eval import capacity
 from kvlib.specs import get_spec
 
 FP16 = reference_name(torch.float16)  # the reference for the fp16 predictions

@@ -1,4 +1,4 @@
-"""Tests for kvlib.capture: captured q/k/v match the model, attention-output error is honest."""
+"""Tests for kvlib.eval.capture: captured q/k/v match the model, attention-output error is honest."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlib.attention import dense_attention
-from kvlib.capture import (
+from kvlib.eval.capture import (
     LayerQKV,
     attention_output_error,
     capture_kv,
@@ -14,7 +14,7 @@ from kvlib.capture import (
     evaluate_recipe,
     evaluate_recipes,
 )
-from kvlib.recipes import KVRecipe, quantize_kv
+from kvlib.quant.recipes import KVRecipe, quantize_kv
 
 
 def test_attention_output_error_basic():

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvlib import engines
 from kvlib.cli import gpu_memory_gib, main, parse_memory, parse_size
+from kvlib.plan import engines
 
 
 def test_parse_size():
@@ -73,7 +73,7 @@ def test_plan_text_and_json(capsys):
     budget = json.loads(capsys.readouterr().out)["budget"]["kv_budget_bytes"]
     int4 = memory.kv_cache_bytes(specs.get_spec("llama-3.1-8b"), 32768, 1, 4, group_size=32)
     assert (
-        "transformers: model.generate(..., past_key_values=kvlib.cache_registry.make_cache("
+        "transformers: model.generate(..., past_key_values=kvlib.caches.registry.make_cache("
         f"'kvlib-int4', model.config)), batch of {min(16, budget // int4)}"
     ) in out
     assert main([*argv, "--concurrency", "4", "--json"]) == 0

@@ -1,4 +1,4 @@
-"""kvlib.compare: caches side by side on a full model (memory, speed, perplexity delta against
+"""kvlib.eval.compare: caches side by side on a full model (memory, speed, perplexity delta against
 the reference DynamicCache) and their agreement with the reference on the same tokens."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from kvlib import compare, memory
-from kvlib.cache_registry import reference_name
-from kvlib.model_choice import random_model
+from kvlib import memory
+from kvlib.caches.registry import reference_name
+from kvlib.eval import compare
+from kvlib.eval.model_choice import random_model
 from kvlib.specs import get_spec
 
 FP32 = reference_name(torch.float32)  # the bundled model and the tiny random one are fp32

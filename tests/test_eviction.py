@@ -1,4 +1,4 @@
-"""kvlib.eviction and kvlib.eviction_scores: budgets in bytes, RoPE positions, equality with a
+"""kvlib.caches.eviction.cache and kvlib.caches.eviction.scores: budgets in bytes, RoPE positions, equality with a
 DynamicCache at full budget, clear errors, and the kept-set invariants (hypothesis)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvlib import cache_registry, compat
-from kvlib import eviction_scores as es
-from kvlib.eviction import POLICIES, EvictionCache, capture_queries, token_nbytes
+from kvlib import compat
+from kvlib.caches import registry as cache_registry
+from kvlib.caches.eviction import scores as es
+from kvlib.caches.eviction.cache import POLICIES, EvictionCache, capture_queries, token_nbytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -211,15 +211,31 @@ def test_quiet_silences_the_gguf_converters_own_progress_bar() -> None:
 
 
 def test_every_module_is_a_lazy_submodule() -> None:
-    """``kvlib.<module>`` works for every module of the package, and nothing else is listed."""
+    """``kvlib.<name>`` works for every module and package of kvlib, and ``kvlib.<package>.<name>``
+    for every module of each package; nothing else is listed."""
+    import importlib
     from pathlib import Path
 
-    modules = {
-        p.stem for p in Path(kvlib.__file__).parent.glob("*.py") if not p.stem.startswith("_")
-    }
-    assert set(kvlib._SUBMODULES) == modules
-    for name in sorted(modules):
-        assert getattr(kvlib, name).__name__ == f"kvlib.{name}"
+    def children(package: Path) -> set[str]:
+        modules = {p.stem for p in package.glob("*.py") if not p.stem.startswith("_")}
+        return modules | {p.parent.name for p in package.glob("*/__init__.py")}
+
+    root = Path(kvlib.__file__).parent
+    assert set(kvlib._SUBMODULES) == children(root)
+    packages = [(kvlib, root)]
+    while packages:
+        package, folder = packages.pop()
+        names = children(folder)
+        if package is not kvlib:
+            assert set(package.__all__) == names, package.__name__
+        for name in sorted(names):
+            child = getattr(package, name)
+            assert child.__name__ == f"{package.__name__}.{name}"
+            assert child is importlib.import_module(child.__name__)
+            if (folder / name / "__init__.py").exists():
+                packages.append((child, folder / name))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        kvlib.caches.nothing  # noqa: B018
 
 
 @given(

@@ -1,10 +1,10 @@
-"""kvlib.hf_probe: what transformers' quantized layers do, measured through their quantizer."""
+"""kvlib.caches.hf_probe: what transformers' quantized layers do, measured through their quantizer."""
 
 import pytest
 import torch
 from transformers import cache_utils
 
-from kvlib import hf_probe
+from kvlib.caches import hf_probe
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 Gemma 3 text model (5 sliding : 1 global, one KV head), no weights downloaded.
 
 QuantizedKVCache and EvictionCache keep each sliding layer's last ``sliding_window`` tokens
-(kvlib.sliding), the model's outputs follow a DynamicCache's, and ``nbytes()`` is
+(kvlib.caches.sliding), the model's outputs follow a DynamicCache's, and ``nbytes()`` is
 kvlib.memory's prediction byte for byte, below and above the window."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig
 
 from kvlib import compat, memory, specs
-from kvlib.cache import QuantizedKVCache, QuantizedKVLayer
-from kvlib.eviction import EvictionCache, EvictionLayer, capture_queries, token_nbytes
-from kvlib.sliding import SlidingWindowLayer
+from kvlib.caches.eviction.cache import EvictionCache, EvictionLayer, capture_queries, token_nbytes
+from kvlib.caches.quantized import QuantizedKVCache, QuantizedKVLayer
+from kvlib.caches.sliding import SlidingWindowLayer
 
 WINDOW = 16
 HEAD_DIM = 64
@@ -131,7 +131,8 @@ def test_generate_runs_with_both_caches(gemma):
 def test_fused_decode_runs_on_the_global_layer_only(monkeypatch):
     """The fused kernel (Triton's interpreter on CPU) reads the quantized global layer; the
     sliding layers go to sdpa with the sliding mask: the same tokens as the torch path."""
-    from kvlib import fused_attention, kernels
+    from kvlib.kernels import decode as kernels
+    from kvlib.kernels import fused_attention
 
     torch.manual_seed(0)
     cfg = gemma3_config()
@@ -329,7 +330,7 @@ def test_transformers_quantized_caches_serve_hybrid_models_through_the_registry(
     the comparison with kvlib's caches differs only there."""
     from transformers import QuantizedCache
 
-    from kvlib import cache_registry
+    from kvlib.caches import registry as cache_registry
 
     cfg = gemma.config
     with pytest.raises(ValueError, match="only full attention"):

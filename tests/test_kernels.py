@@ -1,4 +1,4 @@
-"""The fused decode kernel (kvlib.kernels) against the torch reference path, on CPU.
+"""The fused decode kernel (kvlib.kernels.decode) against the torch reference path, on CPU.
 
 Triton runs kernels on CPU tensors only in its interpreter, and only when ``TRITON_INTERPRET=1``
 is set before triton is first imported: tests/conftest.py sets it before anything is imported
@@ -30,10 +30,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvlib import compat, fused_attention, kernels
-from kvlib.cache import QuantizedKVCache, QuantizedKVLayer
-from kvlib.kernels import PackedKV, decode_attention, decode_attention_reference
-from kvlib.quant import hadamard
+from kvlib import compat
+from kvlib.caches.quantized import QuantizedKVCache, QuantizedKVLayer
+from kvlib.kernels import decode as kernels
+from kvlib.kernels import fused_attention
+from kvlib.kernels.decode import PackedKV, decode_attention, decode_attention_reference
+from kvlib.quant.tensor import hadamard
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL32 = 1e-5
@@ -355,9 +357,9 @@ def test_fused_decode_option_errors(monkeypatch) -> None:
     cache.update(k, k, 0)
     with pytest.raises(ValueError, match="'eager'"):
         cache.update(k[:, :, :1], k[:, :, :1], 0)
-    import kvlib.cache
+    import kvlib.caches.quantized
 
-    monkeypatch.setattr(kvlib.cache, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(kvlib.caches.quantized, "interpreter_mode", lambda: False)
     cache = QuantizedKVCache(model.config, residual_length=8, fused_decode=True)
     cache.update(k, k, 0)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
@@ -375,8 +377,8 @@ class NoTriton(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoTriton())
 import torch
 from transformers import LlamaConfig
-from kvlib import kernels
-from kvlib.cache import QuantizedKVCache
+from kvlib.kernels import decode as kernels
+from kvlib.caches.quantized import QuantizedKVCache
 assert not kernels.triton_available()
 cfg = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, intermediate_size=32, vocab_size=64)

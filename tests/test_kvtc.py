@@ -1,4 +1,4 @@
-"""kvlib.kvtc: codec round trips within the predicted error, the byte format, bad bytes."""
+"""kvlib.kvtc.codec: codec round trips within the predicted error, the byte format, bad bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import torch
 from _synthetic_kv import correlated_layers
 
 import kvlib
-from kvlib import compat, kvtc, pca, quality
+from kvlib import compat
+from kvlib.eval import quality
+from kvlib.kvtc import codec as kvtc
+from kvlib.kvtc import pca
 
 
 def _mid_mse(a, b, sink: int, recent: int) -> float:

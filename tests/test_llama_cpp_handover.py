@@ -6,9 +6,9 @@ Runs only where the peer environment is built (``make peers`` installs llama-cpp
 
 import pytest
 
-from kvlib import engines
 from kvlib.models import bundled_model_path
-from kvlib.plan import recommend
+from kvlib.plan import engines
+from kvlib.plan.planner import recommend
 
 llama_cpp = pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed: `make peers` builds it (~10 min)"

@@ -1,11 +1,12 @@
-"""kvlib.model_choice: random models of real architectures, and which model a machine runs."""
+"""kvlib.eval.model_choice: random models of real architectures, and which model a machine runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvlib import compat, model_choice
+from kvlib import compat
+from kvlib.eval import model_choice
 from kvlib.specs import get_spec, spec_from_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

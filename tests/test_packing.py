@@ -1,4 +1,4 @@
-"""Tests for kvlib.packing: the byte layout of 8/4/3/2-bit codes, round trips, bad input."""
+"""Tests for kvlib.quant.packing: the byte layout of 8/4/3/2-bit codes, round trips, bad input."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.packing import pack, packed_nbytes, unpack
+from kvlib.quant.packing import pack, packed_nbytes, unpack
 
 BITS = (2, 3, 4, 8)
 

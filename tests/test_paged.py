@@ -1,4 +1,4 @@
-"""Tests for kvlib.paged: the paged K/V store, paged attention and the transformers paged cache."""
+"""Tests for kvlib.caches.paged: the paged K/V store, paged attention and the transformers paged cache."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.attention import dense_attention, pad_sequences
-from kvlib.blocks import OutOfBlocks, blocks_needed
-from kvlib.paged import PagedCache, PagedKVCache, paged_attention, parallel_sampling
+from kvlib.caches.blocks import OutOfBlocks, blocks_needed
+from kvlib.caches.paged import PagedCache, PagedKVCache, paged_attention, parallel_sampling
 
 
 def _dense_decode(query, keys, values):

@@ -1,4 +1,4 @@
-"""kvlib.pca: fitting a basis on synthetic keys/values, its features, persistence, bad inputs.
+"""kvlib.kvtc.pca: fitting a basis on synthetic keys/values, its features, persistence, bad inputs.
 
 The codec that uses the basis is tested in test_kvtc.py.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 from _synthetic_kv import correlated_layers
 
-from kvlib import pca
+from kvlib.kvtc import pca
 
 
 @pytest.mark.parametrize("cross_layer", [True, False])

@@ -1,4 +1,4 @@
-"""kvlib.plan: the scenarios of the configuration guide, each with its expected recommendation,
+"""kvlib.plan.planner: the scenarios of the configuration guide, each with its expected recommendation,
 and what ``recommend`` checks and returns (the rule alone: test_plan_rule.py; its words:
 test_plan_text.py; engine settings: test_plan_engines.py)."""
 
@@ -10,8 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import cache_layout, cache_registry, engines, memory, plan_rule, specs
-from kvlib.plan import Plan, recommend
+from kvlib import memory, specs
+from kvlib.caches import layout as cache_layout
+from kvlib.caches import registry as cache_registry
+from kvlib.plan import engines
+from kvlib.plan import rule as plan_rule
+from kvlib.plan.planner import Plan, recommend
 from kvlib.results import RESULTS_ENV
 
 
@@ -386,7 +390,7 @@ def test_the_package_results_are_cited_by_default():
 
 
 def test_every_setting_names_a_registry_cache():
-    from kvlib import cache_registry
+    from kvlib.caches import registry as cache_registry
 
     for setting in plan_rule.KV_SETTINGS.values():
         assert cache_registry.cache_info(setting.cache_name).bits == setting.bits

@@ -1,4 +1,4 @@
-"""kvlib.plan_engines and kvlib.engines: every engine's settings name a KV type that engine
+"""kvlib.plan.settings and kvlib.plan.engines: every engine's settings name a KV type that engine
 accepts, and provision exactly what fits at that type's bytes (the generate() run with the
 transformers cache is in test_plan.py, marked slow)."""
 
@@ -8,8 +8,12 @@ import itertools
 
 import pytest
 
-from kvlib import engines, memory, plan, plan_engines, plan_rule, specs
-from kvlib.plan_rule import decide, sequences_that_fit
+from kvlib import memory, specs
+from kvlib.plan import engines
+from kvlib.plan import planner as plan
+from kvlib.plan import rule as plan_rule
+from kvlib.plan import settings as plan_engines
+from kvlib.plan.rule import decide, sequences_that_fit
 
 LLAMA8 = specs.get_spec("llama-3.1-8b")
 

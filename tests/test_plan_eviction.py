@@ -1,5 +1,5 @@
 """Token eviction in the planner: offered (never chosen) when a request does not fit — the
-budget rule (kvlib.plan_eviction), the decision's field, the line citing the eviction run, and
+budget rule (kvlib.plan.eviction), the decision's field, the line citing the eviction run, and
 the CLI."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import engines, plan_text, specs
+from kvlib import specs
 from kvlib.cli import main
-from kvlib.plan import recommend
-from kvlib.plan_eviction import EVICTION_KEEP, evictable, eviction_option
-from kvlib.plan_fallbacks import fallbacks
-from kvlib.plan_rule import decide
+from kvlib.plan import engines
+from kvlib.plan import text as plan_text
+from kvlib.plan.eviction import EVICTION_KEEP, evictable, eviction_option
+from kvlib.plan.fallbacks import fallbacks
+from kvlib.plan.planner import recommend
+from kvlib.plan.rule import decide
 
 LLAMA8 = specs.get_spec("llama-3.1-8b")
 GIB = 2**30

@@ -3,7 +3,7 @@ when it keeps a type that another measured type beats.
 
 The grid is 4 models (full attention with 128-wide heads, GQA with 4 KV heads, sliding windows
 with 256-wide heads, 96-wide MHA heads) × 2 GPU sizes × 2 contexts × 2 concurrencies × 2 weight
-widths. What the engines run is :mod:`kvlib.engine_support`'s data, read from llama.cpp's and
+widths. What the engines run is :mod:`kvlib.plan.engine_support`'s data, read from llama.cpp's and
 vLLM's sources, not restated here.
 """
 
@@ -13,7 +13,10 @@ import itertools
 
 import pytest
 
-from kvlib import engine_support, engines, plan, plan_engines, plan_text
+from kvlib.plan import engine_support, engines
+from kvlib.plan import planner as plan
+from kvlib.plan import settings as plan_engines
+from kvlib.plan import text as plan_text
 
 MODELS = ["llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "phi-3-mini"]
 GRID = list(itertools.product(MODELS, [24, 80], [8192, 32768], [1, 16], [16, 4]))

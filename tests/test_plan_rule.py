@@ -1,4 +1,4 @@
-"""kvlib.plan_rule: the decision rule in numbers — budget, bytes per sequence, what fits, the
+"""kvlib.plan.rule: the decision rule in numbers — budget, bytes per sequence, what fits, the
 setting, the engine, and what would fit otherwise."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import engines, memory, plan_rule, specs
-from kvlib.plan_fallbacks import fallbacks
-from kvlib.plan_rule import (
+from kvlib import memory, specs
+from kvlib.plan import engines
+from kvlib.plan import rule as plan_rule
+from kvlib.plan.fallbacks import fallbacks
+from kvlib.plan.rule import (
     EngineOption,
     choose_engine,
     choose_setting,
@@ -226,7 +228,7 @@ def test_fallbacks_name_changes_that_fit():
 def test_fallback_context_is_capped_at_the_models_maximum():
     """Memory alone allows a longer context than Llama-3.1-8B's 131,072 tokens at int4: the
     suggested shorter context stops at the model's maximum, and says so."""
-    from kvlib import plan_text
+    from kvlib.plan import text as plan_text
 
     huge = decide(LLAMA8, 24, 10**11)
     lowest = plan_rule.kv_types(huge.engine, LLAMA8)[huge.lowest_setting].storage

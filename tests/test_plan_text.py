@@ -1,4 +1,4 @@
-"""kvlib.plan_text: the decision in words — reasons with their figures, watch-outs, what would
+"""kvlib.plan.text: the decision in words — reasons with their figures, watch-outs, what would
 fit, what the setting buys, the summary (memory in GiB)."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ import re
 
 import pytest
 
-from kvlib import engines, memory, plan_text, specs
-from kvlib.plan_fallbacks import fallbacks
-from kvlib.plan_rule import decide
+from kvlib import memory, specs
+from kvlib.plan import engines
+from kvlib.plan import text as plan_text
+from kvlib.plan.fallbacks import fallbacks
+from kvlib.plan.rule import decide
 
 LLAMA8 = specs.get_spec("llama-3.1-8b")
 MEAS = {
@@ -249,7 +251,7 @@ TWO_MODELS = {
 def test_a_plan_cites_the_measured_model_closest_in_build_and_says_so():
     """Gemma 2 9B (half its layers sliding, heads of 256) reads the Gemma run's figures, and a
     reason names that model and why; Llama 3.1 8B reads the default model's, with no such line."""
-    from kvlib.plan import recommend
+    from kvlib.plan.planner import recommend
 
     g = recommend("gemma-2-9b", 24, 8192, 4, results=TWO_MODELS)
     assert (g.engine, g.kv_type) == ("llama.cpp", "q4_0")

@@ -11,8 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from kvlib import plot  # noqa: E402
-from kvlib.blocks import BlockAllocator  # noqa: E402
-from kvlib.serving import make_trace, simulate_serving  # noqa: E402
+from kvlib.caches.blocks import BlockAllocator  # noqa: E402
+from kvlib.eval.serving import make_trace, simulate_serving  # noqa: E402
 
 
 def test_tradeoff_accepts_mapping_and_rows_and_groups():

@@ -1,4 +1,4 @@
-"""kvlib.quality and kvlib.compat: chunked perplexity, generation benchmark, bad input."""
+"""kvlib.eval.quality and kvlib.compat: chunked perplexity, generation benchmark, bad input."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from kvlib import compat, quality
+from kvlib import compat
+from kvlib.eval import quality
 
 
 def test_chunked_perplexity_matches_one_shot(model, eval_ids):
@@ -46,7 +47,7 @@ def test_perplexity_bad_input(model, eval_ids):
 
 
 def _continuation_perplexity_reference(model, cache, next_ids, chunk_size):
-    """continuation_perplexity as kvlib.pca had it, with its own loop: every token fed (the
+    """continuation_perplexity as kvlib.kvtc.pca had it, with its own loop: every token fed (the
     last chunk's final logits unused), cross-entropy summed per chunk."""
     nll, count, prev = torch.zeros((), dtype=torch.float64), 0, None
     for start in range(0, next_ids.shape[1], chunk_size):

@@ -1,4 +1,4 @@
-"""Tests for kvlib.quant: the half-step guarantee, metadata accounting, bad input, rotation and
+"""Tests for kvlib.quant.tensor: the half-step guarantee, metadata accounting, bad input, rotation and
 whole-row block operations (bit-packing itself: tests/test_packing.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.quant import QuantizedTensor, hadamard, quantize
+from kvlib.quant.tensor import QuantizedTensor, hadamard, quantize
 
 BITS = (2, 3, 4, 8)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -240,7 +240,7 @@ def test_fp16_metadata_kept_for_ordinary_data():
         assert q.bits_per_element == pytest.approx(bits + 2 * 16 / x.shape[axis])
 
 
-# --- whole-row block operations (what kvlib.cache builds its blocks with) ---------------------
+# --- whole-row block operations (what kvlib.caches.quantized builds its blocks with) ---------------------
 
 
 @settings(max_examples=40, deadline=None)

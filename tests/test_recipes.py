@@ -1,4 +1,4 @@
-"""Tests for kvlib.recipes: KV recipes (windows, axes, groups, rotation) and their byte accounting."""
+"""Tests for kvlib.quant.recipes: KV recipes (windows, axes, groups, rotation) and their byte accounting."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.quant import hadamard, quantize
-from kvlib.recipes import KVRecipe, quantize_kv
+from kvlib.quant.recipes import KVRecipe, quantize_kv
+from kvlib.quant.tensor import hadamard, quantize
 
 
 def _kv(seq=100, dtype=torch.float32, seed=0):

@@ -11,16 +11,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlib import cache_registry, results, specs
+from kvlib import results, specs
+from kvlib.caches import registry as cache_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Which run of kvlib/results.json each section of benchmarks/RESULTS.md reports.
 SECTION_RUNS = {
     "vLLM's KV-cache dtypes on the bundled model (benchmarks/bench_vllm.py)": "vllm",
-    "Quantization kernels (kvlib.quant)": "quant",
-    "Quantized KV cache in transformers (kvlib.cache vs HF QuantizedCache)": "cache",
-    "PCA transform coding (kvlib.pca)": "pca",
+    "Quantization kernels (kvlib.quant.tensor)": "quant",
+    "Quantized KV cache in transformers (kvlib.caches.quantized vs HF QuantizedCache)": "cache",
+    "PCA transform coding (kvlib.kvtc.pca)": "pca",
     "Serving simulation (300 requests, seed 0, 1 GiB KV, max_len 2048)": "paged",
     "Parallel sampling in the simulation (75 requests x 4 samples, paged 16)": "paged",
     "Prefix sharing: 4 parallel samples of a 1024-token prompt (block size 16)": "paged",

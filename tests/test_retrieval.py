@@ -1,4 +1,4 @@
-"""kvlib.retrieval: the pass-key prompts, the Wilson interval, argument checks; one short run
+"""kvlib.eval.retrieval: the pass-key prompts, the Wilson interval, argument checks; one short run
 of the bundled model (slow)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvlib import retrieval
+from kvlib.eval import retrieval
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -146,7 +146,7 @@ def test_the_bundled_model_retrieves_a_short_key(model, tokenizer):
 def test_one_shared_prefill_answers_as_generate_does(model, tokenizer):
     """compare_retrieval's shortcut (one prefill, each cache filled from it) gives every
     cache the answer its own generate() run gives."""
-    from kvlib import cache_registry
+    from kvlib.caches import registry as cache_registry
 
     config = model.config
     caches = {

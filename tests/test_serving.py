@@ -1,4 +1,4 @@
-"""Tests for kvlib.serving: the seeded trace and the serving simulation's waste and invariants."""
+"""Tests for kvlib.eval.serving: the seeded trace and the serving simulation's waste and invariants."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.blocks import blocks_needed
-from kvlib.serving import Request, ServingStats, make_trace, simulate_serving
+from kvlib.caches.blocks import blocks_needed
+from kvlib.eval.serving import Request, ServingStats, make_trace, simulate_serving
 
 # --- serving simulation -----------------------------------------------------------------------
 

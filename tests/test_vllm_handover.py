@@ -8,7 +8,7 @@ project's environment, asks the planner, hands its ``to_vllm()`` settings over, 
 vLLM reports and generates.
 
 The planner writes settings for a GPU; vLLM's CPU build takes most of them as they are. Each
-key :func:`kvlib.plan_engines.vllm_args` can return is mapped in :func:`cpu_engine_args` below,
+key :func:`kvlib.plan.settings.vllm_args` can return is mapped in :func:`cpu_engine_args` below,
 and a key it does not know fails the test, so that a new setting is looked at here before it
 is trusted.
 """
@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from kvlib import engines
 from kvlib.memory import vllm_kv_capacity_tokens
-from kvlib.plan import recommend
+from kvlib.plan import engines
+from kvlib.plan.planner import recommend
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / ".venv-vllm"

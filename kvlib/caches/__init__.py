@@ -1,0 +1,44 @@
+"""KV caches that plug into transformers' ``generate()``, each a ``Cache`` of per-layer objects.
+
+Every layer class here builds on :class:`kvlib.caches.base.BatchRows` (the state check and the
+batch operations) and follows transformers' ``CacheLayerMixin``. Importing this package imports
+no torch: :mod:`kvlib.caches.layout` is plain numbers, read by the planner.
+
+================  ==============================================================  ==========
+module            what it holds                                                   notebook
+================  ==============================================================  ==========
+``base``          the state check and batch operations every cache layer shares   04, 10
+``layout``        the quantized cache's defaults, as numbers (no torch)            03, 04
+``quantized``     a quantized KV cache (KIVI layout, rotation, windows)            04
+``sliding``       a sliding-window layer for hybrid models' sliding layers        04, 10
+``eviction``      caches that keep a budget of tokens per layer (a package)       10
+``blocks``        the block allocator behind paged caches                         06
+``paged``         paged attention, the paged transformers cache                   06
+``hf_probe``      transformers' quantized layers, probed (private quantizer)      04
+``registry``      one name and one factory per cache the project compares         04, 07, 08
+================  ==============================================================  ==========
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = [
+    "base",
+    "blocks",
+    "eviction",
+    "hf_probe",
+    "layout",
+    "paged",
+    "quantized",
+    "registry",
+    "sliding",
+]
+
+
+def __getattr__(name: str) -> ModuleType:
+    """``kvlib.caches.<module>`` imports the module on first use (its own imports stay where they are)."""
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

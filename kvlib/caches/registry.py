@@ -1,0 +1,457 @@
+"""Every KV cache the project compares, by one name (notebooks 04, 07 and 08, the benchmarks).
+
+A name says what the cache holds, and it is the same everywhere: in the benchmarks, in the
+results file (:mod:`kvlib.results` rows are keyed by it), in the planner's settings, in the
+notebooks and on the command line.
+
+============================  ===============================================================
+name                          cache
+============================  ===============================================================
+``dynamic-fp32``, ``-fp16``,  transformers' ``DynamicCache``, the reference: it holds what the
+``dynamic-bf16``              model computes, so it is named for the model's dtype
+                              (:func:`reference_name`)
+``kvlib-int8`` … ``-int2``    :class:`kvlib.caches.quantized.QuantizedKVCache` with its defaults
+``kvlib-int4-rot``/``-norot`` the same with the Hadamard rotation of the keys on / off
+``kvlib-int4-block``          one key group per 128-token block, value groups of 32, no
+                              rotation: the KIVI layout
+``quanto-int4``, ``-int2``    transformers' ``QuantizedCache``, quanto backend, default axes
+``hqq-int8`` … ``-int2``      the same with the HQQ backend, default axes (0/0)
+``hqq-int4-axis1``            HQQ with axes 1/1 (HQQ's recommended axis)
+``hf-fp8``                    transformers' fp8 cache (float8_e4m3fn, one scale per tensor)
+============================  ===============================================================
+
+On a model that mixes sliding-window and global layers (Gemma 2/3), every quantized cache here
+keeps each sliding layer's window in float16 (:class:`kvlib.caches.sliding.SlidingWindowLayer`) and
+quantizes the global layers only; transformers' own ``QuantizedCache`` refuses such a model, so
+its rows get the same windows (:func:`kvlib.compat.hf_quantized_cache`'s ``sliding_layer``) and
+differ from kvlib's only where the quantizer does.
+
+Token-eviction caches (:class:`kvlib.caches.eviction.cache.EvictionCache`, notebook 10) are named apart, in
+:data:`EVICTION_NAMES`, because their size is a budget rather than a bit width:
+``evict-<policy>`` keeps float16 keys and values, ``evict-<policy>-int4`` quantizes the kept
+tokens to int4; :func:`eviction_factory` takes the budget (tokens per layer, or ``max_bytes``).
+
+Defaults (group sizes, the full-precision window) are read from the classes — kvlib's
+:class:`~kvlib.caches.quantized.QuantizedKVCache` and its default functions, transformers'
+``QuantizedLayer`` signature — never copied, so a changed default changes every prediction.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from kvlib import compat
+from kvlib.caches import layout as cache_layout
+from kvlib.caches import quantized as kvcache
+from kvlib.caches.eviction import cache as eviction
+from kvlib.caches.sliding import SlidingWindowLayer
+
+__all__ = [
+    "CACHE_NAMES",
+    "EVICTION_NAMES",
+    "FAMILIES",
+    "CacheInfo",
+    "EvictionInfo",
+    "cache_factory",
+    "cache_info",
+    "check_names",
+    "eviction_factory",
+    "eviction_info",
+    "make_cache",
+    "reference_name",
+]
+
+#: Cache families: who implements the cache.
+FAMILIES: tuple[str, ...] = ("dynamic", "kvlib", "quanto", "hqq", "fp8")
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+}
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What a cache name means.
+
+    Attributes:
+        name: the registry name (:data:`CACHE_NAMES`).
+        family: one of :data:`FAMILIES`.
+        bits: bits per cached code (the dtype's width for the reference DynamicCache).
+        group_size: values per scale (and zero point) for the memory prediction: the finer of
+            the key and value groups, so the prediction is an upper bound; ``None`` where there
+            is no per-group metadata (the reference, fp8's one scale per tensor).
+        residual_tokens: most recent tokens per sequence kept in full precision (plus kvlib's
+            attention-sink tokens), which :mod:`kvlib.memory`'s formula leaves out.
+        description: one line for tables.
+        options: the constructor options that make this variant (empty for the defaults).
+    """
+
+    name: str
+    family: str
+    bits: int
+    group_size: int | None
+    residual_tokens: int
+    description: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def cache_bits(self, dtype_bits: int = 16) -> int:
+        """Bits per cached value when the model computes in ``dtype_bits``-bit floats.
+
+        Quantized caches hold their codes whatever the model's dtype; the reference holds the
+        model's dtype, so its name must match it.
+
+        Raises:
+            ValueError: a reference named for another dtype (use :func:`reference_name`).
+        """
+        if self.family == "dynamic" and dtype_bits != self.bits:
+            raise ValueError(
+                f"{self.name!r} holds {self.bits}-bit values, but the model computes in "
+                f"{dtype_bits}-bit floats: name the reference with reference_name(dtype)"
+            )
+        return self.bits
+
+    def factory(self, config: Any, **options: Any) -> Callable[[], Any]:
+        """A zero-argument function returning a fresh cache of this kind for ``config`` (the
+        model's transformers config); ``options`` override this variant's own."""
+        merged = {**self.options, **options}
+        if self.family == "dynamic":
+            if merged:
+                raise ValueError(f"{self.name!r} takes no options (got {sorted(merged)})")
+            return lambda: compat.dynamic_cache(config)
+        if self.family == "kvlib":
+            return lambda: kvcache.QuantizedKVCache(config, bits=self.bits, **merged)
+        if self.family == "fp8":
+            if merged:
+                raise ValueError(f"{self.name!r} takes no options (got {sorted(merged)})")
+            return lambda: compat.hf_quantized_cache(config, "fp8", sliding_layer=_window)
+        return lambda: compat.hf_quantized_cache(
+            config, self.family, self.bits, sliding_layer=_window, **merged
+        )
+
+
+def _window(sliding_window: int) -> SlidingWindowLayer:
+    """The layer every cache of the registry gives a hybrid model's sliding-window layers:
+    the window in float16, as :class:`kvlib.caches.quantized.QuantizedKVCache` keeps it, so that
+    transformers' quantized caches and kvlib's differ only on the global layers."""
+    return SlidingWindowLayer(sliding_window, fp16_if_wider=True)
+
+
+def _default(func: Callable[..., Any], parameter: str) -> Any:
+    return inspect.signature(func).parameters[parameter].default
+
+
+def _hf_defaults() -> tuple[int, int, int, int]:
+    """(group size, residual tokens, key axis, value axis) of transformers' QuantizedLayer."""
+    from transformers.cache_utils import QuantizedLayer
+
+    init = QuantizedLayer.__init__
+    return (
+        _default(init, "q_group_size"),
+        _default(init, "residual_length"),
+        _default(init, "axis_key"),
+        _default(init, "axis_value"),
+    )
+
+
+def _kvlib_entries() -> list[CacheInfo]:
+    init = kvcache.QuantizedKVCache.__init__
+    residual = _default(init, "residual_length")
+    sinks = _default(init, "sink_tokens")
+    window = residual + sinks
+    values = cache_layout.DEFAULT_VALUE_GROUP_CHANNELS
+    out = []
+    for bits in (8, 4, 3, 2):
+        keys = kvcache.default_key_group_size(bits, residual)
+        group = cache_layout.predicted_group_size(bits, residual)
+        layout = f"key groups of {keys} tokens, value groups of up to {values} channels"
+        out.append(
+            CacheInfo(
+                f"kvlib-int{bits}",
+                "kvlib",
+                bits,
+                group,
+                window,
+                f"kvlib int{bits} defaults: {layout}, {residual}-token window, {sinks} sinks",
+            )
+        )
+        for rotate, suffix in ((True, "rot"), (False, "norot")):
+            out.append(
+                CacheInfo(
+                    f"kvlib-int{bits}-{suffix}",
+                    "kvlib",
+                    bits,
+                    group,
+                    window,
+                    f"kvlib int{bits} defaults with rotate={rotate}",
+                    MappingProxyType({"rotate": rotate}),
+                )
+            )
+        if bits < 8:
+            block = {"key_group_size": residual, "group_size": 32, "rotate": False}
+            out.append(
+                CacheInfo(
+                    f"kvlib-int{bits}-block",
+                    "kvlib",
+                    bits,
+                    32,
+                    window,
+                    f"kvlib int{bits}, one key group per {residual}-token block, value groups "
+                    "of 32, no rotation (the KIVI layout)",
+                    MappingProxyType(block),
+                )
+            )
+    return out
+
+
+def _hf_entries() -> list[CacheInfo]:
+    group, residual, axis_key, axis_value = _hf_defaults()
+    out = []
+    for bits in (4, 2):
+        out.append(
+            CacheInfo(
+                f"quanto-int{bits}",
+                "quanto",
+                bits,
+                group,
+                residual,
+                f"transformers QuantizedCache, quanto int{bits}, axes {axis_key}/{axis_value}, "
+                f"groups of {group}, {residual}-token window",
+            )
+        )
+    for bits in (8, 4, 3, 2):
+        out.append(
+            CacheInfo(
+                f"hqq-int{bits}",
+                "hqq",
+                bits,
+                group,
+                residual,
+                f"transformers QuantizedCache, HQQ int{bits}, axes {axis_key}/{axis_value}, "
+                f"groups of {group}, {residual}-token window",
+            )
+        )
+        out.append(
+            CacheInfo(
+                f"hqq-int{bits}-axis1",
+                "hqq",
+                bits,
+                group,
+                residual,
+                f"transformers QuantizedCache, HQQ int{bits}, axes 1/1 (HQQ's recommended "
+                f"axis), groups of {group}, {residual}-token window",
+                MappingProxyType({"axis_key": 1, "axis_value": 1}),
+            )
+        )
+    out.append(
+        CacheInfo(
+            "hf-fp8",
+            "fp8",
+            8,
+            None,
+            0,
+            "transformers QuantizedCache, fp8 (float8_e4m3fn, one scale per tensor)",
+        )
+    )
+    return out
+
+
+def _reference_entries() -> list[CacheInfo]:
+    return [
+        CacheInfo(
+            f"dynamic-{short}",
+            "dynamic",
+            torch.finfo(dtype).bits,
+            None,
+            0,
+            f"transformers DynamicCache holding {short} (the reference)",
+        )
+        for dtype, short in _DTYPE_NAMES.items()
+    ]
+
+
+_ENTRIES: dict[str, CacheInfo] = {
+    e.name: e for e in (*_reference_entries(), *_kvlib_entries(), *_hf_entries())
+}
+
+#: Every cache name, in display order: the references, kvlib's, then transformers' own.
+CACHE_NAMES: tuple[str, ...] = tuple(_ENTRIES)
+
+
+def cache_info(name: str) -> CacheInfo:
+    """What ``name`` means (one of :data:`CACHE_NAMES`).
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"cache name must be a str (got {type(name).__name__})")
+    try:
+        return _ENTRIES[name]
+    except KeyError:
+        raise ValueError(f"unknown cache {name!r}; accepted: {', '.join(CACHE_NAMES)}") from None
+
+
+def check_names(names: Any) -> list[str]:
+    """``names`` as a list of registry names.
+
+    Raises:
+        TypeError: not a non-empty sequence of strings (a lone string is refused).
+        ValueError: an unknown name.
+    """
+    if isinstance(names, str) or not isinstance(names, Sequence) or not names:
+        raise TypeError(f"caches must be a non-empty list of cache names (got {names!r})")
+    for name in names:
+        cache_info(name)
+    return list(names)
+
+
+def reference_name(dtype: torch.dtype) -> str:
+    """The reference DynamicCache's name for a model computing in ``dtype``.
+
+    Raises:
+        ValueError: not fp32, fp16 or bf16.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"no reference cache for dtype {dtype} (fp32, fp16 or bf16)")
+    return f"dynamic-{_DTYPE_NAMES[dtype]}"
+
+
+def cache_factory(name: str, config: Any, **options: Any) -> Callable[[], Any]:
+    """A zero-argument function returning a fresh cache called ``name`` for ``config``.
+
+    Args:
+        name: one of :data:`CACHE_NAMES`.
+        config: the model's transformers config (``model.config``).
+        **options: constructor options on top of the variant's own (e.g.
+            ``residual_length=64`` for kvlib; ``q_group_size`` for quanto/HQQ).
+
+    Raises:
+        ValueError: unknown name, or options for a cache that takes none.
+    """
+    return cache_info(name).factory(config, **options)
+
+
+def make_cache(name: str, config: Any, **options: Any) -> Any:
+    """One fresh cache called ``name`` (see :func:`cache_factory`)."""
+    return cache_factory(name, config, **options)()
+
+
+# ---------------------------------------------------------------------- token eviction
+
+
+#: Newest tokens an ``evict-<policy>-int4`` cache keeps in float16 (its ``residual``): KIVI's
+#: smallest residual and SnapKV's observation window. Measured on 1,024 tokens at 1/4 of the
+#: fp16 bytes, it takes H2O-int4's perplexity cost from +1.1 % to +0.1 % (bench_eviction.py).
+INT_RESIDUAL = 32
+
+
+@dataclass(frozen=True)
+class EvictionInfo:
+    """What an eviction cache name means.
+
+    Attributes:
+        name: the registry name (:data:`EVICTION_NAMES`).
+        policy: one of :data:`kvlib.caches.eviction.cache.POLICIES`.
+        bits: bits per stored code, or ``None`` for float16 storage.
+        description: one line for tables.
+    """
+
+    name: str
+    policy: str
+    bits: int | None
+    description: str
+
+    def factory(
+        self,
+        config: Any,
+        *,
+        budget: int | None = None,
+        max_bytes: int | None = None,
+        **options: Any,
+    ) -> Callable[[], Any]:
+        """A zero-argument function returning a fresh :class:`kvlib.caches.eviction.cache.EvictionCache`
+        of this kind for ``config``, holding ``budget`` tokens per layer (or ``max_bytes``)."""
+        storage: dict[str, Any] = {"dtype": torch.float16}
+        if self.bits:
+            storage |= {"bits": self.bits, "residual": INT_RESIDUAL}
+        merged = {**storage, **options}
+        eviction.EvictionCache(config, self.policy, budget, max_bytes=max_bytes, **merged)
+        return lambda: eviction.EvictionCache(
+            config, self.policy, budget, max_bytes=max_bytes, **merged
+        )
+
+
+_EVICTION_LINES = {
+    "streaming": "StreamingLLM: attention sinks plus the most recent tokens",
+    "snapkv": "SnapKV: scored once per prefill by the prompt's last queries",
+    "h2o": "H2O: accumulated attention (heavy hitters) plus recent tokens",
+    "tova": "TOVA: the last query's attention, every step",
+    "knorm": "KNorm: lowest key norms",
+}
+
+
+def _eviction_entries() -> dict[str, EvictionInfo]:
+    out = {}
+    for policy in eviction.POLICIES:
+        line = _EVICTION_LINES.get(policy, policy)
+        out[f"evict-{policy}"] = EvictionInfo(
+            f"evict-{policy}", policy, None, f"{line}; float16 keys and values"
+        )
+        out[f"evict-{policy}-int4"] = EvictionInfo(
+            f"evict-{policy}-int4",
+            policy,
+            4,
+            f"{line}; kept tokens in int4 (per token, {eviction.GROUP_SIZE} channels per scale), "
+            f"the newest {INT_RESIDUAL} in float16",
+        )
+    return out
+
+
+_EVICTION: dict[str, EvictionInfo] = _eviction_entries()
+
+#: Every eviction cache name: ``evict-<policy>`` (float16) and ``evict-<policy>-int4``.
+EVICTION_NAMES: tuple[str, ...] = tuple(_EVICTION)
+
+
+def eviction_info(name: str) -> EvictionInfo:
+    """What an eviction cache ``name`` means (one of :data:`EVICTION_NAMES`).
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"eviction cache name must be a str (got {type(name).__name__})")
+    try:
+        return _EVICTION[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction cache {name!r}; accepted: {', '.join(EVICTION_NAMES)}"
+        ) from None
+
+
+def eviction_factory(
+    name: str,
+    config: Any,
+    *,
+    budget: int | None = None,
+    max_bytes: int | None = None,
+    **options: Any,
+) -> Callable[[], Any]:
+    """A zero-argument function returning a fresh eviction cache called ``name``, holding
+    ``budget`` tokens per layer and KV head or at most ``max_bytes`` per sequence (exactly one);
+    ``options`` go to :class:`kvlib.caches.eviction.cache.EvictionCache` (``sinks``, ``window``, ...).
+
+    Raises:
+        ValueError / TypeError: unknown name, bad budget (checked here, not at first use).
+    """
+    return eviction_info(name).factory(config, budget=budget, max_bytes=max_bytes, **options)

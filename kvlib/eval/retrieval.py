@@ -1,0 +1,492 @@
+"""Retrieval quality: a seeded pass-key task, scored with a confidence interval (notebook 10).
+
+Perplexity is dominated by local context, so it hides the failure that matters most for long
+prompts: losing one fact far back. This task measures exactly that. A number (the *pass key*,
+"the secret number" in the prompt: the filler is Python's documentation, where ``pass`` is a
+keyword, and asked for "the pass key" the bundled model explains the statement) is hidden in
+filler text from :mod:`kvlib.data`'s corpus at a chosen depth; the chat-templated prompt states
+the task before the text and asks for the key after it, ending with the start of the answer; the
+model answers by greedy decoding, and a trial counts as correct when the first number in the
+answer is the key.
+
+* :func:`make_trial` builds one prompt (``n_keys > 1``: the multi-key variant, several keys
+  for different named doors, one of them asked);
+* :func:`evaluate_retrieval` runs many seeded trials over context lengths, depths and key
+  lengths with a given cache, and returns a :class:`RetrievalResult`: accuracy with a Wilson
+  interval (:func:`wilson_interval`), per-trial records, breakdowns.
+
+The same seed gives the same trials (keys, depths, filler offsets) on every machine, so two
+caches are compared on identical prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvlib import compat
+from kvlib.caches.eviction.cache import EvictionLayer, capture_queries, recorded_queries
+from kvlib.data import load_eval_text
+from kvlib.validate import check_int, check_number
+
+__all__ = [
+    "DOORS",
+    "RetrievalResult",
+    "Trial",
+    "compare_retrieval",
+    "evaluate_retrieval",
+    "make_trial",
+    "wilson_interval",
+]
+
+#: Names of the doors in the multi-key variant ("the secret number of the red door is ...").
+DOORS: tuple[str, ...] = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
+
+_TASK = "A secret number is hidden in the text below. Find it and remember it; you will be asked for it."
+_TASK_MULTI = (
+    "Secret numbers for several doors are hidden in the text below. Remember them; you "
+    "will be asked for one of them."
+)
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95 % for ``z = 1.96``).
+
+    Unlike the normal approximation it stays inside [0, 1] and is sensible at 0/n and n/n.
+
+    Raises:
+        TypeError / ValueError: not ints, ``trials < 1`` or ``successes`` outside
+            ``0..trials``, ``z <= 0``.
+    """
+    successes = check_int(successes, "successes", minimum=0)
+    trials = check_int(trials, "trials", minimum=1)
+    z = check_number(z, "z", positive=True)
+    if successes > trials:
+        raise ValueError(f"successes must be <= trials (got {successes} > {trials})")
+    p = successes / trials
+    denom = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One prompt of the task.
+
+    Attributes:
+        input_ids: ``(1, prompt_tokens)`` the chat-templated prompt, ending with the start of
+            the answer ("The secret number ... is").
+        answer: the key asked for (digits).
+        context_tokens: the length asked for; ``input_ids`` is within a few tokens of it.
+        depth: where the (asked) key sits in the filler, 0 = start, 1 = end.
+        key_digits: digits of every key.
+        n_keys: keys hidden (1, or more for the multi-key variant).
+    """
+
+    input_ids: torch.Tensor
+    answer: str
+    context_tokens: int
+    depth: float
+    key_digits: int
+    n_keys: int
+
+
+def _check_depth(depth: Any) -> float:
+    depth = check_number(depth, "depth")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1] (got {depth})")
+    return depth
+
+
+def _filler(tokenizer: Any, n_tokens: int, rng: random.Random, corpus: str) -> list[str]:
+    """About ``n_tokens`` tokens of corpus text from a seeded offset, as whole lines."""
+    start = rng.randrange(0, max(1, len(corpus) - 12 * n_tokens - 1))
+    start = corpus.find("\n", start) + 1
+    ids = tokenizer(corpus[start : start + 8 * n_tokens + 400]).input_ids[:n_tokens]
+    text = tokenizer.decode(ids)
+    lines = text.split("\n")
+    return lines[:-1] if len(lines) > 1 else lines
+
+
+def make_trial(
+    tokenizer: Any,
+    context_tokens: int,
+    depth: float,
+    *,
+    key_digits: int = 5,
+    n_keys: int = 1,
+    rng: random.Random | None = None,
+    corpus: str | None = None,
+) -> Trial:
+    """One pass-key prompt of about ``context_tokens`` tokens.
+
+    Args:
+        tokenizer: the model's tokenizer (with a chat template).
+        context_tokens: prompt length to aim for (``>= 128``).
+        depth: position of the asked key in the filler, 0 (start) .. 1 (end).
+        key_digits: digits per key, 1..20 (no leading zero).
+        n_keys: keys hidden (1 .. ``len(DOORS)``); with more than one, each belongs to a named
+            door, the others at random depths, and one door is asked.
+        rng: the random source (keys, filler offset, other depths); default ``Random(0)``.
+        corpus: filler text (default :func:`kvlib.data.load_eval_text`).
+
+    Raises:
+        TypeError / ValueError: arguments out of range, or a tokenizer without a chat template.
+    """
+    context_tokens = check_int(context_tokens, "context_tokens", minimum=128)
+    depth = _check_depth(depth)
+    key_digits = check_int(key_digits, "key_digits", minimum=1)
+    if key_digits > 20:
+        raise ValueError(f"key_digits must be in 1..20 (got {key_digits})")
+    n_keys = check_int(n_keys, "n_keys", minimum=1)
+    if n_keys > len(DOORS):
+        raise ValueError(f"n_keys must be in 1..{len(DOORS)} (got {n_keys})")
+    if not callable(getattr(tokenizer, "apply_chat_template", None)):
+        raise TypeError(
+            f"tokenizer must be a transformers tokenizer (got {type(tokenizer).__name__})"
+        )
+    rng = random.Random(0) if rng is None else rng
+    corpus = load_eval_text() if corpus is None else corpus
+
+    def key() -> str:
+        return str(rng.randint(1, 9)) + "".join(
+            str(rng.randint(0, 9)) for _ in range(key_digits - 1)
+        )
+
+    keys = []
+    while len(keys) < n_keys:
+        k = key()
+        if k not in keys:
+            keys.append(k)
+    if n_keys == 1:
+        needles = [
+            (depth, f"The secret number is {keys[0]}. Remember it. {keys[0]} is the secret number.")
+        ]
+        question = "What is the secret number?"
+        prefix = "The secret number is"
+    else:
+        doors = rng.sample(DOORS, n_keys)
+        depths = [depth] + [rng.random() for _ in range(n_keys - 1)]
+        needles = [
+            (d, f"The secret number of the {door} door is {k}. Remember it.")
+            for d, door, k in zip(depths, doors, keys, strict=True)
+        ]
+        question = f"What is the secret number of the {doors[0]} door?"
+        prefix = f"The secret number of the {doors[0]} door is"
+    task = _TASK if n_keys == 1 else _TASK_MULTI
+
+    def prompt(lines: list[str]) -> str:
+        body = list(lines)
+        for d, needle in sorted(needles, key=lambda x: -x[0]):
+            body.insert(round(d * len(lines)), needle)
+        content = f"{task}\n\n" + "\n".join(body) + f"\n\n{question}"
+        messages = [{"role": "user", "content": content}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text + prefix
+
+    overhead = len(tokenizer(prompt([])).input_ids)
+    lines = _filler(tokenizer, max(16, context_tokens - overhead), rng, corpus)
+    ids = tokenizer(prompt(lines), return_tensors="pt").input_ids
+    return Trial(ids, keys[0], context_tokens, depth, key_digits, n_keys)
+
+
+@dataclass
+class RetrievalResult:
+    """Outcome of :func:`evaluate_retrieval`.
+
+    Attributes:
+        records: one dict per trial: ``context_tokens``, ``prompt_tokens``, ``depth``,
+            ``key_digits``, ``n_keys``, ``answer``, ``output`` (the decoded answer),
+            ``correct``.
+        z: the interval's normal quantile (1.96: 95 %).
+    """
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    z: float = 1.96
+
+    @property
+    def trials(self) -> int:
+        return len(self.records)
+
+    @property
+    def correct(self) -> int:
+        return sum(r["correct"] for r in self.records)
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction correct (``nan`` without trials)."""
+        return self.correct / self.trials if self.trials else math.nan
+
+    def interval(self) -> tuple[float, float]:
+        """Wilson interval of :attr:`accuracy`."""
+        return wilson_interval(self.correct, self.trials, self.z)
+
+    def by(self, key: str) -> dict[Any, tuple[int, int]]:
+        """``{value: (correct, trials)}`` grouped by a record field (e.g. ``"depth"``)."""
+        out: dict[Any, tuple[int, int]] = {}
+        for r in self.records:
+            c, n = out.get(r[key], (0, 0))
+            out[r[key]] = (c + bool(r["correct"]), n + 1)
+        return dict(sorted(out.items()))
+
+    def summary(self) -> dict[str, Any]:
+        """Accuracy, interval, counts and the mean prompt length, as plain numbers."""
+        low, high = self.interval() if self.trials else (math.nan, math.nan)
+        tokens = [r["prompt_tokens"] for r in self.records]
+        return {
+            "accuracy": self.accuracy,
+            "ci_low": low,
+            "ci_high": high,
+            "correct": self.correct,
+            "trials": self.trials,
+            "mean_prompt_tokens": sum(tokens) / len(tokens) if tokens else math.nan,
+        }
+
+
+#: The first number of an answer is complete once a non-digit follows it: decoding stops there.
+_ANSWERED = re.compile(r"\d\D")
+
+
+def _first_number(text: str) -> str | None:
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+def _check_values(values: Any, name: str, check: Callable[[Any], Any]) -> list[Any]:
+    if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+        raise TypeError(f"{name} must be a non-empty list (got {values!r})")
+    return [check(v) for v in values]
+
+
+def _check_grid(
+    context_tokens: Sequence[int],
+    depths: Sequence[float],
+    key_digits: Sequence[int],
+    trials: int,
+    seed: int,
+) -> tuple[list[int], list[float], list[int], int, int]:
+    contexts = _check_values(
+        context_tokens, "context_tokens", lambda v: check_int(v, "context_tokens", minimum=128)
+    )
+    depth_list = _check_values(depths, "depths", _check_depth)
+    digit_list = _check_values(
+        key_digits, "key_digits", lambda v: check_int(v, "key_digits", minimum=1)
+    )
+    return (
+        contexts,
+        depth_list,
+        digit_list,
+        check_int(trials, "trials", minimum=1),
+        check_int(seed, "seed"),
+    )
+
+
+def _trials(
+    tokenizer: Any,
+    grid: tuple[list[int], list[float], list[int], int, int],
+    n_keys: int,
+) -> Iterator[Trial]:
+    """The seeded trials of a grid, in a fixed order (the same seed: the same prompts)."""
+    contexts, depth_list, digit_list, trials, seed = grid
+    rng = random.Random(seed)
+    corpus = load_eval_text()
+    for ctx in contexts:
+        for digits in digit_list:
+            for depth in depth_list:
+                for _ in range(trials):
+                    yield make_trial(
+                        tokenizer, ctx, depth, key_digits=digits, n_keys=n_keys, rng=rng,
+                        corpus=corpus,
+                    )  # fmt: skip
+
+
+def _record(trial: Trial, text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "context_tokens": trial.context_tokens,
+        "prompt_tokens": int(trial.input_ids.shape[1]),
+        "depth": trial.depth,
+        "key_digits": trial.key_digits,
+        "n_keys": trial.n_keys,
+        "answer": trial.answer,
+        "output": text,
+        "correct": _first_number(text) == trial.answer,
+        **extra,
+    }
+
+
+def evaluate_retrieval(
+    model: Any,
+    tokenizer: Any,
+    cache_factory: Callable[[], Any] | None = None,
+    *,
+    context_tokens: Sequence[int] = (1024,),
+    depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
+    key_digits: Sequence[int] = (5,),
+    trials: int = 4,
+    n_keys: int = 1,
+    seed: int = 0,
+) -> RetrievalResult:
+    """Accuracy of ``model`` on seeded pass-key trials, with a fresh cache per trial.
+
+    Every combination of context length, depth and key length is tried ``trials`` times with
+    different keys and filler (``trials * len(context_tokens) * len(depths) *
+    len(key_digits)`` prompts in all), by greedy decoding of ``key_digits + 4`` tokens
+    (``model.generate``).
+
+    Args:
+        cache_factory: zero-argument callable returning a fresh transformers cache (e.g.
+            ``kvlib.caches.registry.cache_factory(name, model.config)``); ``None``: the model's
+            own DynamicCache. Eviction caches get their queries (:func:`kvlib.caches.eviction.cache.capture_queries`).
+        context_tokens, depths, key_digits: the grid (non-empty lists).
+        trials: prompts per grid point (``>= 1``).
+        n_keys: keys hidden per prompt (see :func:`make_trial`).
+        seed: the trials' seed; the same seed gives the same prompts.
+
+    Raises:
+        TypeError / ValueError: bad grid values, ``trials < 1``, or ``cache_factory`` not
+            callable.
+    """
+    grid = _check_grid(context_tokens, depths, key_digits, trials, seed)
+    if cache_factory is not None and not callable(cache_factory):
+        raise TypeError(
+            f"cache_factory must be callable or None (got {type(cache_factory).__name__})"
+        )
+    result = RetrievalResult()
+    with capture_queries(model):
+        for trial in _trials(tokenizer, grid, n_keys):
+            cache = cache_factory() if cache_factory is not None else None
+            out = compat.generate(
+                model,
+                trial.input_ids,
+                cache=cache,
+                max_new_tokens=trial.key_digits + 4,
+                do_sample=False,
+            )
+            text = tokenizer.decode(out[0, trial.input_ids.shape[1] :], skip_special_tokens=True)
+            result.records.append(_record(trial, text))
+    return result
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])}
+
+
+def _fill(cache: Any, name: str, states: list, queries: dict) -> None:
+    """Give ``cache`` the prompt's keys and values layer by layer, as its prefill pass would,
+    and check that it returns them unchanged (what makes one shared prefill exact)."""
+    for i, (k, v) in enumerate(states):
+        layer = cache.layers[i] if hasattr(cache, "layers") and i < len(cache.layers) else None
+        if isinstance(layer, EvictionLayer) and layer.needs_queries:
+            layer.set_queries(*queries[i])
+        keys, values = cache.update(k, v, i)
+        if not (torch.equal(keys, k) and torch.equal(values, v)):
+            raise ValueError(
+                f"cache {name!r} does not attend the prompt's own keys and values in its "
+                "prefill pass, so a shared prefill would change its result; use "
+                "evaluate_retrieval for it"
+            )
+
+
+def compare_retrieval(
+    model: Any,
+    tokenizer: Any,
+    caches: Mapping[str, Callable[[], Any] | None],
+    *,
+    restored: Mapping[str, Callable[[Any], tuple[Any, int]]] | None = None,
+    context_tokens: Sequence[int] = (1024,),
+    depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
+    key_digits: Sequence[int] = (5,),
+    trials: int = 4,
+    n_keys: int = 1,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, RetrievalResult]:
+    """:func:`evaluate_retrieval` for many caches on the same trials, with one prefill per
+    prompt.
+
+    In its prefill pass every cache here returns the prompt's own keys and values (the tokens
+    of one pass attend to each other in full, whatever is stored afterwards; kvlib's
+    quantized and eviction caches and DynamicCache all do), so the prefill's logits, keys,
+    values and queries are the same for every cache. They are computed once, with a
+    DynamicCache; each cache is then filled from them layer by layer (an eviction cache gets
+    each layer's queries first, :func:`kvlib.caches.eviction.cache.recorded_queries`) and decodes its
+    answer greedily on its own. A cache that returns anything else from its prefill is
+    refused with a ``ValueError``, so the shortcut never changes a result (tests check it
+    against :func:`evaluate_retrieval`). Decoding stops as soon as the answer's first number is
+    complete (a non-digit follows it), which is all a trial is scored on, so ``output`` may be
+    a prefix of :func:`evaluate_retrieval`'s.
+
+    Args:
+        caches: ``{name: cache factory}`` (``None``: a DynamicCache).
+        restored: ``{name: restore}`` for storage between turns (e.g. a KVTC codec):
+            ``restore(prompt_cache)`` gets the prompt's DynamicCache and returns the cache the
+            answer is decoded from and the bytes it was stored in.
+        progress: a tqdm bar over the prompts (on stderr).
+        Other arguments: as :func:`evaluate_retrieval`.
+
+    Returns:
+        ``{name: RetrievalResult}`` in the order given (``caches``, then ``restored``); each
+        record also holds ``nbytes``, the cache's bytes after the prefill (or the stored
+        bytes).
+
+    Raises:
+        TypeError / ValueError: as :func:`evaluate_retrieval`; no caches; a name in both
+            mappings; a cache whose prefill does not return the prompt's own states.
+    """
+    grid = _check_grid(context_tokens, depths, key_digits, trials, seed)
+    restored = dict(restored or {})
+    if not isinstance(caches, Mapping):
+        raise TypeError(
+            f"caches must be a mapping of name to factory (got {type(caches).__name__})"
+        )
+    for name, f in [*caches.items(), *restored.items()]:
+        if f is not None and not callable(f):
+            raise TypeError(f"the factory of {name!r} must be callable (got {type(f).__name__})")
+    if not caches and not restored:
+        raise ValueError("caches and restored are both empty: nothing to compare")
+    if set(caches) & set(restored):
+        raise ValueError(
+            f"names in both caches and restored: {sorted(set(caches) & set(restored))}"
+        )
+    results = {name: RetrievalResult() for name in [*caches, *restored]}
+    eos = _eos_ids(model)
+    trials_list = list(_trials(tokenizer, grid, n_keys))
+    with capture_queries(model):
+        for trial in tqdm(trials_list, desc="prompts", disable=not progress, file=sys.stderr):
+            with recorded_queries(model) as queries:
+                out = compat.forward(model, trial.input_ids, compat.dynamic_cache(model.config))
+            prompt_cache = compat.output_cache(out)
+            states = compat.cache_tensors(prompt_cache)
+            first = int(out.logits[0, -1].argmax())
+            for name in results:
+                if name in caches:
+                    factory = caches[name]
+                    cache = factory() if factory is not None else compat.dynamic_cache(model.config)
+                    _fill(cache, name, states, queries)
+                    nbytes = compat.cache_nbytes(cache)
+                else:
+                    cache, nbytes = restored[name](compat.clone_cache(prompt_cache))
+                tokens = [first]
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                while (
+                    len(tokens) < trial.key_digits + 4
+                    and tokens[-1] not in eos
+                    and not _ANSWERED.search(text)
+                ):
+                    step = compat.forward(model, torch.tensor([[tokens[-1]]]), cache)
+                    tokens.append(int(step.logits[0, -1].argmax()))
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                results[name].records.append(_record(trial, text, nbytes=int(nbytes)))
+    return results

@@ -1,0 +1,437 @@
+"""KV Cache Transform Coding: a DynamicCache to compact bytes and back (introduced in notebook 05).
+
+Given a :class:`kvlib.kvtc.pca.KVPCABasis` fitted for a model, :class:`KVTCCodec` projects each
+token's keys and values on the basis's components, quantizes every component with the bits a
+budget allocates to it (:func:`kvlib.kvtc.bitalloc.allocate_bits`; many get 0 bits: dropped), then
+entropy-codes the codes with a standard-library codec (``lzma`` by default). The first
+``sink_tokens`` and the last ``recent_tokens`` stay uncompressed (fp16). This follows NVIDIA's
+*KV Cache Transform Coding* (Staniszewski & Łańcucki, arXiv 2511.01815), re-implemented from the
+paper's description. It targets storing a conversation's cache between turns or off the GPU,
+not the per-step path.
+
+The byte format (:data:`MAGIC`, :data:`FORMAT_VERSION`) is self-describing and checked on
+decoding; :class:`EncodedInfo` is what its header tells without decoding. Caches are read and
+built through :mod:`kvlib.compat`. Tensor shapes follow transformers: a layer's keys/values are
+``(batch, kv_heads, seq_len, head_dim)``.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvlib import compat
+from kvlib.kvtc.bitalloc import MAX_BITS, allocate_bits, uniform_dequantize, uniform_quantize
+from kvlib.kvtc.pca import KVPCABasis
+from kvlib.validate import check_int, check_number
+
+__all__ = ["KVTCCodec", "EncodedInfo", "MAGIC", "FORMAT_VERSION"]
+
+MAGIC = b"KVTC"
+FORMAT_VERSION = 1
+_CODERS = ("lzma", "zlib", "none")  # entropy coders of the codes section
+_PREFIX = struct.Struct("<4sHHI")  # magic, version, flags, header length
+_WINDOW_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_CACHE_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The byte format
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EncodedInfo:
+    """What :meth:`KVTCCodec.inspect` reads from an encoded cache's header."""
+
+    batch: int
+    seq_len: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    sink_tokens: int
+    recent_tokens: int
+    compressed_tokens: int
+    coder: str
+    nbytes: int
+    window_bytes: int
+    code_bytes: int
+
+    @property
+    def fp16_bytes(self) -> int:
+        """Bytes of the same cache as plain fp16 tensors."""
+        return 2 * 2 * self.num_layers * self.batch * self.kv_heads * self.seq_len * self.head_dim
+
+    def compression_ratio(self) -> float:
+        """fp16 bytes / encoded bytes (everything counted: header, window, codes, checksum)."""
+        return self.fp16_bytes / self.nbytes
+
+
+def _compress(data: bytes, coder: str) -> bytes:
+    if coder == "lzma":
+        return lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_NONE, preset=6)
+    if coder == "zlib":
+        return zlib.compress(data, 9)
+    return data
+
+
+def _decompress(data: bytes, coder: str, expected: int) -> bytes:
+    try:
+        if coder == "lzma":
+            out = lzma.decompress(data, format=lzma.FORMAT_XZ)
+        elif coder == "zlib":
+            out = zlib.decompress(data)
+        else:
+            out = data
+    except (lzma.LZMAError, zlib.error) as exc:
+        raise ValueError(
+            f"encoded KV cache is corrupted: {coder} stream does not decode ({exc})"
+        ) from None
+    if len(out) != expected:
+        raise ValueError(
+            f"encoded KV cache is corrupted: section holds {len(out)} bytes, header says {expected}"
+        )
+    return out
+
+
+def _pack(header: dict[str, Any], sections: list[bytes]) -> bytes:
+    """``prefix | header (JSON) | sections | crc32`` (see :class:`KVTCCodec`)."""
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hbytes)) + hbytes + b"".join(sections)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def _unpack(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    """Inverse of :func:`_pack`: ``(header, sections)``, after checking magic, version, crc32
+    and section lengths (``TypeError`` for non-bytes, ``ValueError`` for anything wrong)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"data must be bytes (got {type(data).__name__})")
+    data = bytes(data)
+    if len(data) < _PREFIX.size + 4:
+        raise ValueError(
+            f"encoded KV cache is truncated ({len(data)} bytes, too short for a header)"
+        )
+    magic, version, _flags, hlen = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise ValueError(f"not a KVTC-encoded cache (magic {magic!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"unsupported KVTC format version {version} (this kvlib reads {FORMAT_VERSION})"
+        )
+    (crc,) = struct.unpack_from("<I", data, len(data) - 4)
+    if zlib.crc32(data[:-4]) != crc:
+        raise ValueError("encoded KV cache is corrupted or truncated (crc32 checksum mismatch)")
+    end = _PREFIX.size + hlen
+    try:
+        header = json.loads(data[_PREFIX.size : end])
+        sizes = [int(s) for s in header["sections"]]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError("encoded KV cache has an unreadable header") from None
+    if end + sum(sizes) != len(data) - 4:
+        raise ValueError("encoded KV cache is corrupted: section lengths do not add up")
+    sections, pos = [], end
+    for s in sizes:
+        sections.append(data[pos : pos + s])
+        pos += s
+    return header, sections
+
+
+# --------------------------------------------------------------------------------------------
+# The codec
+# --------------------------------------------------------------------------------------------
+
+
+class KVTCCodec:
+    """Encode a DynamicCache to compact bytes with a PCA basis; decode it back.
+
+    Args:
+        basis: a :class:`KVPCABasis` fitted for the model whose caches are coded.
+        compression: target ratio against fp16 *for the compressed tokens*, before entropy
+            coding: the bit allocation spends ``16 · token_dim / compression`` bits per token.
+            Entropy coding then shrinks the codes further; the sink/recent window (fp16) is
+            added on top. :meth:`EncodedInfo.compression_ratio` gives the real ratio.
+        sink_tokens: first tokens kept uncompressed (attention sinks).
+        recent_tokens: most recent tokens kept uncompressed (they are read most).
+        coder: ``"lzma"`` (best), ``"zlib"`` (faster) or ``"none"``.
+        max_bits: the most bits one component may get (1..8).
+
+    The byte format (version 1)::
+
+        "KVTC" | u16 version | u16 flags | u32 header length | header (JSON) |
+        window section | bits section | codes section | u32 crc32 of everything before
+
+    The header holds shapes, dtype, window sizes, coder, section lengths and the basis
+    fingerprint; decoding checks every one of them and raises ``ValueError`` on any mismatch.
+    """
+
+    def __init__(
+        self,
+        basis: KVPCABasis,
+        compression: float = 8.0,
+        sink_tokens: int = 4,
+        recent_tokens: int = 128,
+        coder: str = "lzma",
+        max_bits: int = MAX_BITS,
+    ) -> None:
+        if not isinstance(basis, KVPCABasis):
+            raise TypeError(f"basis must be a KVPCABasis (got {type(basis).__name__})")
+        if check_number(compression, "compression") < 1.0:
+            raise ValueError(f"compression must be a finite number >= 1 (got {compression!r})")
+        sink_tokens = check_int(sink_tokens, "sink_tokens", minimum=0)
+        recent_tokens = check_int(recent_tokens, "recent_tokens", minimum=0)
+        if coder not in _CODERS:
+            raise ValueError(f"coder must be one of {', '.join(_CODERS)} (got {coder!r})")
+        if check_int(max_bits, "max_bits", minimum=1) > MAX_BITS:
+            raise ValueError(f"max_bits must be an int in 1..{MAX_BITS} (got {max_bits!r})")
+        self.basis = basis
+        self.compression = float(compression)
+        self.sink_tokens = sink_tokens
+        self.recent_tokens = recent_tokens
+        self.coder = coder
+        self.max_bits = max_bits
+        self.budget_bits = int(16 * basis.token_dim / self.compression)
+        self.bits = allocate_bits(
+            basis.all_variances, self.budget_bits, max_bits=max_bits,
+            unit_distortion=basis.unit_distortion[: max_bits + 1],
+        )  # fmt: skip
+        self._fingerprint = basis.fingerprint()
+
+    # -- predictions -------------------------------------------------------------------------
+    def bits_per_block(self) -> list[torch.Tensor]:
+        """The allocation split per block (keys blocks first), each ``(r,)``."""
+        return list(torch.split(self.bits, [v.numel() for v in self.basis.variances]))
+
+    def predicted_mse(self) -> float:
+        """Expected squared error per element of a compressed token (calibration statistics)."""
+        c = self.basis.unit_distortion.double()
+        err = float((self.basis.all_variances * c[self.bits]).sum()) + sum(self.basis.residual)
+        return err / self.basis.token_dim
+
+    def raw_bits_per_token(self) -> int:
+        """Bits per compressed token before entropy coding (``Σ_j b_j``)."""
+        return int(self.bits.sum())
+
+    # -- encoding ----------------------------------------------------------------------------
+    def _check_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        b = self.basis
+        k = layers[0][0]
+        if len(layers) != b.num_layers or k.shape[1] != b.kv_heads or k.shape[3] != b.head_dim:
+            raise ValueError(
+                f"cache has {len(layers)} layers x {k.shape[1]} kv_heads x head_dim {k.shape[3]}, "
+                f"the basis was fitted for {b.num_layers} x {b.kv_heads} x {b.head_dim}"
+            )
+        if k.dtype not in _CACHE_DTYPES.values():
+            raise ValueError(
+                f"cache dtype must be one of {', '.join(_CACHE_DTYPES)} (got {k.dtype})"
+            )
+
+    @torch.no_grad()
+    def encode(self, cache: Any) -> bytes:
+        """Encode a cache whose tokens sit at positions ``0..seq_len-1``.
+
+        Args:
+            cache: a transformers ``DynamicCache``; per layer ``(batch, kv_heads, seq_len, head_dim)``.
+
+        Returns:
+            The self-describing byte string (see the class docstring).
+        """
+        layers = compat.cache_tensors(cache)
+        self._check_cache(layers)
+        batch, _, seq, _ = layers[0][0].shape
+        dtype = layers[0][0].dtype
+        device = layers[0][0].device
+        sink = min(self.sink_tokens, seq)
+        recent = min(self.recent_tokens, seq - sink)
+        mid = seq - sink - recent
+        wdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+        if dtype == torch.float64 or any(
+            (t.abs().amax() > 65000).item() for kv in layers for t in kv if wdtype == torch.float16
+        ):
+            wdtype = torch.float32  # fp16 would overflow: keep the window exact
+        window = b"".join(
+            torch.cat([t[:, :, :sink], t[:, :, seq - recent :]], dim=2)
+            .to(wdtype).cpu().contiguous().view(torch.uint8).numpy().tobytes()
+            for kv in layers for t in kv
+        )  # fmt: skip
+        codes_raw = b""
+        if mid > 0:
+            positions = torch.arange(sink, sink + mid, device=device)
+            feats = self.basis.features(
+                [(k[:, :, sink : sink + mid], v[:, :, sink : sink + mid]) for k, v in layers],
+                positions,
+            )
+            parts = []
+            for f, mean, comps, var, bits in zip(
+                feats, self.basis.means, self.basis.components, self.basis.variances,
+                self.bits_per_block(), strict=True,
+            ):  # fmt: skip
+                active = torch.nonzero(bits > 0).flatten()
+                if active.numel() == 0:
+                    continue
+                act = active.to(comps.device)
+                coef = (f - mean.to(f.device)) @ comps.to(f.device)[:, act]
+                z = coef / var.to(f.device)[act].clamp_min(1e-20).sqrt()
+                b = bits[active].to(f.device)
+                codes = uniform_quantize(z, b, self.basis.clip.to(f.device)[b])
+                parts.append(codes.T.to(torch.uint8).cpu().contiguous())  # component-major
+            if parts:
+                codes_raw = torch.cat([p.flatten() for p in parts]).numpy().tobytes()
+        bits_raw = self.bits.to(torch.uint8).cpu().numpy().tobytes()
+        sections = [
+            _compress(window, "zlib" if self.coder != "none" else "none"),
+            _compress(bits_raw, "zlib" if self.coder != "none" else "none"),
+            _compress(codes_raw, self.coder),
+        ]
+        header = {
+            "batch": batch, "seq_len": seq, "num_layers": len(layers),
+            "kv_heads": self.basis.kv_heads, "head_dim": self.basis.head_dim,
+            "dtype": str(dtype).replace("torch.", ""), "window_dtype": str(wdtype).replace("torch.", ""),
+            "sink": sink, "recent": recent, "coder": self.coder,
+            "window_coder": "zlib" if self.coder != "none" else "none",
+            "raw": [len(window), len(bits_raw), len(codes_raw)],
+            "sections": [len(s) for s in sections], "basis": self._fingerprint,
+            "compression": self.compression,
+        }  # fmt: skip
+        return _pack(header, sections)
+
+    # -- decoding ----------------------------------------------------------------------------
+    def inspect(self, data: bytes) -> EncodedInfo:
+        """Header facts and byte counts of an encoded cache (validates the checksum)."""
+        h, sections = _unpack(data)
+        return EncodedInfo(
+            batch=h["batch"], seq_len=h["seq_len"], num_layers=h["num_layers"],
+            kv_heads=h["kv_heads"], head_dim=h["head_dim"], dtype=h["dtype"],
+            sink_tokens=h["sink"], recent_tokens=h["recent"],
+            compressed_tokens=h["seq_len"] - h["sink"] - h["recent"], coder=h["coder"],
+            nbytes=len(data), window_bytes=len(sections[0]), code_bytes=len(sections[2]),
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def decode(self, data: bytes, device: str | torch.device | None = None) -> Any:
+        """Rebuild a ``DynamicCache`` from :meth:`encode`'s bytes.
+
+        Args:
+            data: the encoded bytes.
+            device: where to put the tensors (default: where the basis lives).
+
+        Raises:
+            ValueError: wrong magic/version, bad checksum, truncated data, or bytes encoded with
+                a different basis or model shape.
+        """
+        h, sections = _unpack(data)
+        b = self.basis
+        try:
+            batch, seq, nl = int(h["batch"]), int(h["seq_len"]), int(h["num_layers"])
+            heads, hd, sink, recent = (
+                int(h["kv_heads"]),
+                int(h["head_dim"]),
+                int(h["sink"]),
+                int(h["recent"]),
+            )
+            dtype, wdtype = _CACHE_DTYPES[h["dtype"]], _WINDOW_DTYPES[h["window_dtype"]]
+            coder, wcoder = h["coder"], h["window_coder"]
+            raw = [int(r) for r in h["raw"]]
+            fingerprint = int(h["basis"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("encoded KV cache has an incomplete or invalid header") from None
+        if fingerprint != self._fingerprint:
+            raise ValueError(
+                "encoded KV cache was made with a different PCA basis (fingerprint mismatch); "
+                "decode it with the codec's own basis"
+            )
+        if (nl, heads, hd) != (b.num_layers, b.kv_heads, b.head_dim):
+            raise ValueError("encoded KV cache shape does not match the basis")
+        if coder not in _CODERS or wcoder not in _CODERS:
+            raise ValueError(f"encoded KV cache names an unknown coder {coder!r}")
+        if min(batch, seq) < 1 or sink < 0 or recent < 0 or sink + recent > seq:
+            raise ValueError("encoded KV cache header has inconsistent sizes")
+        mid = seq - sink - recent
+        win_tokens = sink + recent
+        wsize = torch.tensor([], dtype=wdtype).element_size()
+        expect_window = 2 * nl * batch * heads * win_tokens * hd * wsize
+        if raw[0] != expect_window or raw[1] != sum(v.numel() for v in b.variances):
+            raise ValueError("encoded KV cache header sizes do not match its shapes")
+        window = _decompress(sections[0], wcoder, raw[0])
+        bits = torch.frombuffer(
+            bytearray(_decompress(sections[1], wcoder, raw[1])), dtype=torch.uint8
+        ).long()
+        if (bits > MAX_BITS).any():
+            raise ValueError("encoded KV cache holds invalid bit widths")
+        blocks_bits = list(torch.split(bits, [v.numel() for v in b.variances]))
+        n_active = int((bits > 0).sum())
+        expect_codes = n_active * batch * mid if mid > 0 else 0
+        if raw[2] != expect_codes:
+            raise ValueError("encoded KV cache code section size does not match its shapes")
+        codes_all = _decompress(sections[2], coder, raw[2])
+        dev = torch.device(device) if device is not None else b.components[0].device
+
+        # window tensors, in the order written by encode: layer by layer, keys then values
+        wt = (
+            torch.frombuffer(bytearray(window), dtype=torch.uint8)
+            if window
+            else torch.zeros(0, dtype=torch.uint8)
+        )
+        per = batch * heads * win_tokens * hd
+        wins = wt.view(wdtype).reshape(2 * nl, per) if per else None
+
+        mid_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if mid > 0:
+            codes_t = (
+                torch.frombuffer(bytearray(codes_all), dtype=torch.uint8) if codes_all else None
+            )
+            feats, pos = [], 0
+            ntok = batch * mid
+            for mean, comps, var, bb in zip(
+                b.means, b.components, b.variances, blocks_bits, strict=True
+            ):
+                active = torch.nonzero(bb > 0).flatten()
+                base = mean.to(dev).float().expand(ntok, -1)
+                if active.numel():
+                    assert codes_t is not None
+                    n = active.numel() * ntok
+                    codes = codes_t[pos : pos + n].reshape(active.numel(), ntok).T.to(dev).long()
+                    pos += n
+                    bbits = bb[active].to(dev)
+                    if (codes >= (2**bbits)).any():
+                        raise ValueError(
+                            "encoded KV cache holds codes out of range for their bit widths"
+                        )
+                    act = active.to(dev)
+                    z = uniform_dequantize(codes, bbits, b.clip.to(dev)[bbits])
+                    coef = z * var.to(dev)[act].clamp_min(1e-20).sqrt()
+                    base = base + coef @ comps.to(dev)[:, act].T
+                feats.append(base)
+            positions = torch.arange(sink, sink + mid, device=dev)
+            mid_layers = b.unfeatures(feats, batch, positions, dtype)
+
+        data_layers = []
+        for layer in range(nl):
+            kv = []
+            for kind in (0, 1):
+                parts = []
+                w = (
+                    wins[2 * layer + kind].reshape(batch, heads, win_tokens, hd).to(dev, dtype)
+                    if wins is not None
+                    else None
+                )
+                if w is not None and sink:
+                    parts.append(w[:, :, :sink])
+                if mid_layers is not None:
+                    parts.append(mid_layers[layer][kind])
+                if w is not None and recent:
+                    parts.append(w[:, :, sink:])
+                kv.append(torch.cat(parts, dim=2).contiguous())
+            data_layers.append((kv[0], kv[1]))
+        return compat.dynamic_cache_from(data_layers)

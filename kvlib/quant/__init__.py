@@ -1,0 +1,24 @@
+"""Quantization of keys and values: codes, their packing, and the recipes that store a layer.
+
+============  ==============================================================  ==========
+module        what it holds                                                   notebook
+============  ==============================================================  ==========
+``packing``   bit-packing integer codes into bytes                            03
+``tensor``    int8/4/3/2 group quantization (``QuantizedTensor``), Hadamard   02, 03
+``recipes``   KV quantization recipes (KIVI layout, rotation, windows)        02, 03
+============  ==============================================================  ==========
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["packing", "recipes", "tensor"]
+
+
+def __getattr__(name: str) -> ModuleType:
+    """``kvlib.quant.<module>`` imports the module on first use (its own imports stay where they are)."""
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
