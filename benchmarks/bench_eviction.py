@@ -54,7 +54,6 @@ from kvlib.caches.eviction import cache as eviction
 from kvlib.eval import quality, retrieval
 from kvlib.kvtc import codec as kvtc
 from kvlib.kvtc import pca
-from kvlib.specs import kv_geometry
 
 QUANT = ("kvlib-int8", "kvlib-int4", "kvlib-int3", "kvlib-int2")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -62,11 +61,6 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-def fp16_bytes(config, tokens: int) -> int:
-    g = kv_geometry(config.get_text_config(decoder=True))
-    return 2 * g.num_layers * g.num_kv_heads * g.head_dim * 2 * tokens
 
 
 KVTC_WINDOW = (4, 32)  # sinks and recent tokens kept in fp16 by the stored caches
@@ -87,7 +81,7 @@ def perplexity_row(model, segments: list[torch.Tensor], factory) -> dict:
         "perplexity": ppl[0],
         "perplexity_segments": ppl,
         "nbytes": n,
-        "fp16_fraction": n / fp16_bytes(model.config, segments[0].shape[1] - 1),
+        "fp16_fraction": n / cache_registry.fp16_bytes(model.config, segments[0].shape[1] - 1),
         "seconds": time.perf_counter() - t0,
     }
 
@@ -132,7 +126,7 @@ def retrieval_columns(model, tok, config, factories, basis, fractions, column, s
     rows = {}
     for name, r in out.items():
         s = r.summary()
-        fp16 = [fp16_bytes(config, rec["prompt_tokens"]) for rec in r.records]
+        fp16 = [cache_registry.fp16_bytes(config, rec["prompt_tokens"]) for rec in r.records]
         frac = sum(rec["nbytes"] / f for rec, f in zip(r.records, fp16, strict=True)) / len(fp16)
         rows[name] = {
             column: s["accuracy"],
@@ -168,7 +162,7 @@ def markdown_tables(run: dict) -> str:
     def ci(r: dict, c: str) -> str:
         return f"{r[c]:.2f} [{r[f'{c}_ci'][0]:.2f}, {r[f'{c}_ci'][1]:.2f}]"
 
-    reference = next(n for n in rows if n.startswith("dynamic-"))
+    reference = str(results.reference(run))
     n_cols = 2 + segs + len(cols)
     lines = [
         f"| budget | family | best row | {ppl_head} | "
@@ -179,11 +173,10 @@ def markdown_tables(run: dict) -> str:
         + " | ".join(ci(rows[reference], c) for c in cols)
         + f" | {fraction(rows[reference]):.3f} |",
     ]
-    for key, n in run["best"].items():
-        budget, fam = key.split(" ", 1)
-        r = rows[n]
+    for key, row_key in results.best(run).items():
+        r = rows[str(row_key)]
         lines.append(
-            f"| {budget} | {fam} | {n} | {ppl(r)} | "
+            f"| {key.budget} | {key.family} | {row_key} | {ppl(r)} | "
             + " | ".join(ci(r, c) for c in cols)
             + f" | {fraction(r):.3f} |"
         )
@@ -276,9 +269,8 @@ def main() -> None:
                 name = f"evict-{policy}{suffix}"
                 options = {} if g is None else {"group_size": g}
 
-                def factory_for(t, n=name, k=k, options=options):
-                    budget = fp16_bytes(config, t) // k
-                    return cache_registry.eviction_factory(n, config, max_bytes=budget, **options)
+                def factory_for(t, n=f"{name}@1/{k}", options=options):
+                    return cache_registry.cache_factory(n, config, tokens=t, **options)
 
                 label = name if g is None else f"{name}-g{g}"
                 factories[f"{label}@1/{k}"] = factory_for

@@ -14,6 +14,7 @@ module/package    what it holds                                                 
 ``models``        loading the bundled offline models (or any hub model)               00
 ``specs``         model specs, the published models' registry, KV geometry            01
 ``memory``        KV-cache byte math, what fits in a GPU (GiB)                        01
+``keys``          names with a budget (``evict-h2o@1/4``), parsed once: result rows   08, 10
 ``attention``     dense reference attention (causal, GQA, ragged lengths)             02, 06
 ``rope``          rotary position embeddings: apply, undo, read from a model          05
 ``compat``        one adapter over transformers' cache API                            04, 05
@@ -25,7 +26,7 @@ module/package    what it holds                                                 
 ``kernels``       a fused Triton decode-attention kernel over packed codes            09
 ``eval``          capture, perplexity, retrieval, serving, comparisons, capacity      02–07, 10
 *registry and results*
-``caches.registry``  one name and one factory per cache the project compares         04, 07, 08
+``caches.registry``  one name and one factory per cache the project compares         04, 07, 10
 ``results``       the measured results file (``kvlib/results.json``)                  04, 08
 *tools*
 ``plan``          the planner (no torch): engines, the rule, ``recommend()``          08
@@ -50,6 +51,7 @@ _SUBMODULES = (
     "device",
     "eval",
     "kernels",
+    "keys",
     "kvtc",
     "memory",
     "models",

@@ -1,10 +1,11 @@
-"""The ``kvlib`` command line: ``memory``, ``plan`` and ``models`` (notebook 08).
+"""The ``kvlib`` command line: ``memory``, ``plan``, ``models`` and ``caches`` (notebook 08).
 
 ::
 
     python -m kvlib memory --model llama-3.1-8b --context 32k --batch 8 [--bits 4]
     python -m kvlib plan --model llama-3.1-8b --gpu-memory 24 --context 32k --concurrency 16
     python -m kvlib models
+    python -m kvlib caches [--family evict]
     kvlib plan --model llama-3.1-70b --gpu H100 --num-gpus 2 --context 128k --json
 
 Every subcommand has ``--help`` and ``--json``. Bad input exits non-zero with one line on stderr:
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvlib",
         description="KV-cache memory math and configuration plans (KV Cache Lab).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{memory,plan,models}")
+    sub = parser.add_subparsers(dest="command", metavar="{memory,plan,models,caches}")
     sub.required = True
 
     mem = sub.add_parser(
@@ -206,6 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
         "models", help="list the model registry", description="The registered model specs."
     )
     mo.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    ca = sub.add_parser(
+        "caches",
+        help="list the cache registry",
+        description="Every cache the series compares, by the one name the benchmarks, the "
+        "results file, the planner and make_cache() use. Eviction caches take their budget in "
+        "the name, as a share of the fp16 bytes: evict-h2o-int4@1/4. (Loads torch.)",
+    )
+    ca.add_argument("--family", default=None, help="only this family (kvlib, hqq, evict, ...)")
+    ca.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -368,7 +379,50 @@ def _cmd_models(args: argparse.Namespace) -> tuple[str, Any]:
     return _table(headers, rows), data
 
 
-_COMMANDS = {"memory": _cmd_memory, "plan": _cmd_plan, "models": _cmd_models}
+def _cmd_caches(args: argparse.Namespace) -> tuple[str, Any]:
+    # the registry builds caches, so it loads torch: only this command imports it
+    from kvlib.caches import registry
+
+    if args.family is not None and args.family not in registry.FAMILIES:
+        raise ValueError(
+            f"unknown cache family {args.family!r}; accepted: {', '.join(registry.FAMILIES)}"
+        )
+    infos = [registry.cache_info(n) for n in registry.CACHE_NAMES]
+    infos = [i for i in infos if args.family in (None, i.family)]
+    rows = [
+        [
+            i.name + ("@<share>" if i.budgeted else ""),
+            i.family,
+            i.bits,
+            i.group_size or "-",
+            i.residual_tokens or "-",
+            i.description,
+        ]
+        for i in infos
+    ]
+    data = [
+        {
+            "name": i.name,
+            "family": i.family,
+            "bits": i.bits,
+            "group_size": i.group_size,
+            "residual_tokens": i.residual_tokens,
+            "budgeted": i.budgeted,
+            "policy": i.policy,
+            "description": i.description,
+        }
+        for i in infos
+    ]
+    headers = ["name", "family", "bits", "group", "fp16 tokens", "what it holds"]
+    return _table(headers, rows), data
+
+
+_COMMANDS = {
+    "memory": _cmd_memory,
+    "plan": _cmd_plan,
+    "models": _cmd_models,
+    "caches": _cmd_caches,
+}
 
 
 def _one_line(exc: BaseException) -> str:

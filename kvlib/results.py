@@ -36,9 +36,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvlib.keys import BestKey, RowKey
 from kvlib.specs import ModelSpec, get_spec
 
 __all__ = [
+    "best",
+    "rows",
+    "REFERENCE_CACHES",
     "RESULTS_ENV",
     "RUN_FIELDS",
     "SCHEMA_VERSION",
@@ -51,6 +55,7 @@ __all__ = [
     "for_model",
     "model_runs",
     "provenance",
+    "reference",
     "record_run",
     "results_path",
     "run",
@@ -374,3 +379,62 @@ def _finite(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_finite(v) for v in x]
     return x
+
+
+# -- rows by key: the readers' view of a run (keys parsed by kvlib.keys alone) --------------------
+
+#: The uncompressed reference caches (:func:`kvlib.caches.registry.reference_name`), one per
+#: dtype a model computes in; a run's reference row is the one of these it holds.
+REFERENCE_CACHES: tuple[str, ...] = ("dynamic-fp32", "dynamic-fp16", "dynamic-bf16")
+
+
+def reference(entry: Mapping[str, Any], group: str = "rows") -> RowKey:
+    """The key of the run's uncompressed reference row (one of :data:`REFERENCE_CACHES`).
+
+    Raises:
+        ValueError: the run holds no reference row, or more than one.
+    """
+    found = [k for k in rows(entry, group) if k.budget is None and k.cache in REFERENCE_CACHES]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one reference row ({', '.join(REFERENCE_CACHES)}) in {group!r}, "
+            f"found {[str(k) for k in found]}"
+        )
+    return found[0]
+
+
+def rows(entry: Mapping[str, Any], group: str = "rows") -> dict[RowKey, Mapping[str, Any]]:
+    """A run's rows (or another group of them) by :class:`RowKey`, in the run's order.
+
+    Raises:
+        ValueError: the run has no such group, or two of its names parse to one key.
+    """
+    table = entry.get(group)
+    if not isinstance(table, Mapping):
+        raise ValueError(f"the run has no group of rows {group!r} (it has {sorted(entry)})")
+    keyed: dict[RowKey, Mapping[str, Any]] = {}
+    for name, row in table.items():
+        key = RowKey.parse(name)
+        if key in keyed:
+            raise ValueError(f"rows {str(key)!r} and {name!r} parse to the same key")
+        keyed[key] = row
+    return keyed
+
+
+def best(entry: Mapping[str, Any]) -> dict[BestKey, RowKey]:
+    """A run's ``best`` group: for each (budget, family), the key of the best row.
+
+    Raises:
+        ValueError: the run has no ``best`` group, or it names a row the run does not hold.
+    """
+    table = entry.get("best")
+    if not isinstance(table, Mapping):
+        raise ValueError("the run has no 'best' group")
+    held = rows(entry)
+    out: dict[BestKey, RowKey] = {}
+    for name, row_name in table.items():
+        key = RowKey.parse(row_name)
+        if key not in held:
+            raise ValueError(f"best row {row_name!r} (for {name!r}) is not among the run's rows")
+        out[BestKey.parse(name)] = key
+    return out

@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from kvlib import results as kvresults
+from kvlib.keys import BestKey
 from kvlib.memory import kv_bytes_per_token
 from kvlib.plan.rule import KV_SETTINGS
 from kvlib.specs import get_spec
@@ -80,10 +82,10 @@ def _kernel_line(results: Mapping[str, Any]) -> TechniqueLine:
 
 def _eviction_line(results: Mapping[str, Any]) -> TechniqueLine:
     run = kvresults.run("eviction", results)
-    name = run["best"]["1/4 eviction+int4"]
-    row, ref = run["rows"][name], run["rows"]["dynamic-fp32"]
+    key = kvresults.best(run)[BestKey(Fraction(1, 4), "eviction+int4")]
+    row, ref = run["rows"][str(key)], run["rows"][str(kvresults.reference(run))]
     return TechniqueLine(
-        f"Token eviction (10, {name.split('@')[0]})",
+        f"Token eviction (10, {key.cache})",
         "1/4 of the fp16 bytes per sequence (int4 storage of the kept tokens)",
         f"perplexity {row['perplexity_delta_pct_mean']:+.2g} % on average; pass key found "
         f"{row['retrieval_1024']:.0%} at 1k tokens, {row['retrieval_2048']:.0%} at 2k "
@@ -110,7 +112,7 @@ def series_summary(results: Mapping[str, Any] | None = None) -> list[TechniqueLi
             "(benchmarks/bench_*.py) that writes it"
         )
     pca_run = kvresults.run("pca", results)
-    pca_rows = [r for n, r in pca_run["rows"].items() if n.startswith("PCA cross-layer")]
+    pca_rows = [r for k, r in kvresults.rows(pca_run).items() if k.cache == "PCA cross-layer"]
     paged = kvresults.run("paged", results)
     llama8 = get_spec("llama-3.1-8b")
     mha = dataclasses.replace(llama8, num_kv_heads=llama8.num_heads)

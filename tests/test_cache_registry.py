@@ -37,7 +37,13 @@ def test_cache_info_parses_every_name():
             assert info.cache_bits(info.bits) == info.bits
             with pytest.raises(ValueError, match="reference_name"):
                 info.cache_bits(8)
+        elif info.family == "evict":
+            assert info.budgeted and info.policy and name.startswith(f"evict-{info.policy}")
+            assert (info.bits, info.group_size is None) == (
+                (4, False) if "int4" in name else (16, True)
+            )
         else:
+            assert not info.budgeted and info.policy is None
             bits = re.search(r"(?:int|fp)(\d)", name)
             assert bits and info.bits == int(bits.group(1)) == info.cache_bits(32)
             if info.family != "fp8":

@@ -93,9 +93,31 @@ def test_models(capsys):
     assert "llama-3.1-8b" in names and "deepseek-v3" in names
 
 
+def test_caches_lists_the_one_registry(capsys):
+    """`kvlib caches` lists every registry name, eviction caches with their budget in the name,
+    and each listed name builds a cache (make_cache), checked on a tiny config."""
+    from kvlib.caches import registry
+    from kvlib.eval.model_choice import random_config
+
+    assert main(["caches", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [c["name"] for c in listed] == list(registry.CACHE_NAMES)
+    assert {c["family"] for c in listed} == set(registry.FAMILIES)
+    assert all(c["budgeted"] == (c["family"] == "evict") for c in listed)
+    assert main(["caches", "--family", "evict"]) == 0
+    text = capsys.readouterr().out
+    assert "evict-h2o-int4@<share>" in text and "kvlib-int4" not in text
+    config = random_config("smollm2-135m", num_layers=2, vocab_size=512, intermediate_size=256)
+    for c in listed:
+        name = f"{c['name']}@1/4" if c["budgeted"] else c["name"]
+        options = {"tokens": 64} if c["budgeted"] else {}
+        assert registry.make_cache(name, config, **options).get_seq_length() == 0
+
+
 @pytest.mark.parametrize(
     "argv, code, needle",
     [
+        (["caches", "--family", "int4"], 1, "unknown cache family 'int4'"),
         (
             ["plan", "--model", "llama-3-8", "--gpu-memory", "24", "--context", "8k"],
             1,
@@ -154,7 +176,7 @@ def test_python_m_kvlib_help():
 
 
 def test_every_subcommand_has_help(capsys):
-    for argv in (["--help"], ["memory", "--help"], ["plan", "--help"], ["models", "--help"]):
+    for argv in (["--help"], *([c, "--help"] for c in ("memory", "plan", "models", "caches"))):
         assert main(argv) == 0
         assert "--json" in capsys.readouterr().out or argv == ["--help"]
 

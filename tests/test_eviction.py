@@ -13,6 +13,9 @@ from kvlib import compat
 from kvlib.caches import registry as cache_registry
 from kvlib.caches.eviction import scores as es
 from kvlib.caches.eviction.cache import POLICIES, EvictionCache, capture_queries, token_nbytes
+from kvlib.caches.eviction.snapkv import snapkv_scores
+from kvlib.keys import RowKey
+from kvlib.specs import kv_geometry
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -270,13 +273,37 @@ def test_registry_names_build_their_caches(tiny):
     assert "evict-snapkv" in cache_registry.EVICTION_NAMES
     assert "evict-snapkv-int4" in cache_registry.EVICTION_NAMES
     for name in cache_registry.EVICTION_NAMES:
-        info = cache_registry.eviction_info(name)
-        cache = cache_registry.eviction_factory(name, tiny.config, budget=16)()
-        assert cache.policy == info.policy and cache.bits == info.bits
-    with pytest.raises(ValueError, match="accepted: evict-streaming"):
-        cache_registry.eviction_info("evict-lru")
+        info = cache_registry.cache_info(name)
+        cache = cache_registry.make_cache(name, tiny.config, budget=16)
+        assert info.family == "evict" and info.budgeted
+        assert cache.policy == info.policy and (cache.bits or 16) == info.bits
+    with pytest.raises(ValueError, match="accepted: .*evict-streaming"):
+        cache_registry.cache_info("evict-lru")
     with pytest.raises(ValueError, match="budget must be an int >= 1"):
-        cache_registry.eviction_factory("evict-h2o", tiny.config, budget=0)
+        cache_registry.cache_factory("evict-h2o", tiny.config, budget=0)
+
+
+def test_a_budget_in_the_name_is_a_share_of_the_fp16_bytes(tiny):
+    tokens = 200
+    fp16 = cache_registry.fp16_bytes(tiny.config, tokens)
+    g = kv_geometry(tiny.config)
+    assert fp16 == 2 * g.num_layers * g.num_kv_heads * g.head_dim * 2 * tokens
+    for name in ("evict-h2o@1/4", "evict-tova-int4@1/8", "evict-knorm@0.5"):
+        info = cache_registry.cache_info(name)
+        share = RowKey.parse(name).budget
+        named = cache_registry.make_cache(name, tiny.config, tokens=tokens)
+        bare = cache_registry.make_cache(info.name, tiny.config, max_bytes=int(fp16 * share))
+        assert named.budget == bare.budget and named.max_bytes <= fp16 * share
+    with pytest.raises(ValueError, match="tokens="):
+        cache_registry.make_cache("evict-h2o@1/4", tiny.config)
+    with pytest.raises(ValueError, match="already has a budget"):
+        cache_registry.make_cache("evict-h2o@1/4", tiny.config, tokens=tokens, budget=8)
+    with pytest.raises(ValueError, match="name it"):
+        cache_registry.make_cache("evict-h2o", tiny.config, tokens=tokens)
+    with pytest.raises(ValueError, match="takes no budget"):
+        cache_registry.cache_info("kvlib-int4@1/4")
+    with pytest.raises(ValueError, match="bad cache name"):
+        cache_registry.cache_info("evict-h2o@2")
 
 
 @pytest.mark.parametrize("head_dim, group", [(64, 32), (80, 20), (16, 16)])
@@ -290,7 +317,7 @@ def test_int4_eviction_groups_32_channels_or_the_largest_divisor_below(head_dim,
         vocab_size=97,
     )
     size = 2 * 2 * head_dim * 2 * 64  # 64 fp16 tokens
-    built = cache_registry.eviction_factory("evict-streaming-int4", config, max_bytes=size)()
+    built = cache_registry.make_cache("evict-streaming-int4", config, max_bytes=size)
     store = {"bits": 4, "residual": cache_registry.INT_RESIDUAL, "dtype": torch.float16}
     same = EvictionCache(config, "streaming", max_bytes=size, group_size=group, **store)
     coarser = EvictionCache(config, "streaming", max_bytes=size, group_size=head_dim, **store)
@@ -322,7 +349,7 @@ def test_attention_weights_are_causal_and_normalised():
 def test_snapkv_scores_match_a_direct_computation():
     torch.manual_seed(1)
     w = torch.softmax(torch.randn(1, 2, 3, 6, 20), -1)
-    got = es.snapkv_scores(w, window=4, kernel_size=3)
+    got = snapkv_scores(w, window=4, kernel_size=3)
     obs = w[..., -4:, :16].mean(-2)  # (1, 2, 3, 16)
     padded = torch.nn.functional.pad(obs, (1, 1))
     pooled = (padded[..., :-2] + padded[..., 1:-1] + padded[..., 2:]) / 3
@@ -392,7 +419,26 @@ def test_a_small_budget_holds_its_bytes_on_the_bundled_model(model, eval_ids):
     ids = eval_ids[:, :256]
     name = "evict-snapkv-int4"
     fp16 = 30 * 3 * 256 * 64 * 2 * 2
-    cache = cache_registry.eviction_factory(name, model.config, max_bytes=fp16 // 8)()
+    cache = cache_registry.make_cache(name, model.config, max_bytes=fp16 // 8)
     with capture_queries(model):
         compat.generate(model, ids, cache=cache, max_new_tokens=4, do_sample=False)
     assert cache.get_seq_length() == 256 + 3 and cache.nbytes() <= fp16 // 8
+
+
+def test_every_policy_is_a_class_in_its_own_module():
+    """One module per policy, each a Policy subclass with its own name; the registry's lines
+    are the policies' own descriptions."""
+    import importlib
+
+    from kvlib.caches.eviction.policy import Policy
+
+    for name, policy in POLICIES.items():
+        assert isinstance(policy, Policy) and policy.name == name
+        module = importlib.import_module(type(policy).__module__)
+        assert module.__name__.rsplit(".", 1)[1] == name
+        assert cache_registry.cache_info(f"evict-{name}").description.startswith(policy.description)
+        for budget in (1, 2, 64, 1000):
+            sinks = min(policy.default_sinks, budget - 1)
+            assert 0 <= policy.window(budget, sinks, None) <= budget - sinks
+    with pytest.raises(NotImplementedError):
+        Policy().score(None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,102 @@ def test_closest_model_without_the_run_or_with_one_model(tmp_path):
     assert results.closest_model(specs.get_spec("gemma-2-9b"), "vllm", data) is None
     assert results.closest_model(specs.get_spec("gemma-2-9b"), "pca", data) == "smollm2-135m"
     assert results.for_model(specs.get_spec("gemma-2-9b"), {}) == {}
+
+
+# -- typed row keys ---------------------------------------------------------------------------------
+
+_CACHE_NAMES = st.from_regex(r"[a-z][a-z0-9-]{0,20}[a-z0-9]", fullmatch=True)
+_BUDGETS = st.fractions(min_value=0, max_value=1, max_denominator=1 << 10).filter(lambda f: f > 0)
+
+
+@given(_CACHE_NAMES, st.one_of(st.none(), _BUDGETS))
+def test_a_row_key_round_trips_through_its_name(cache, budget):
+    key = results.RowKey(cache, budget)
+    assert results.RowKey.parse(str(key)) == key
+
+
+@given(_BUDGETS, st.sampled_from(["eviction", "eviction+int4", "transform coding", "quantization"]))
+def test_a_best_key_round_trips_through_its_name(budget, family):
+    key = results.BestKey(budget, family)
+    assert results.BestKey.parse(str(key)) == key
+
+
+@pytest.mark.parametrize(
+    ("name", "cache", "budget"),
+    [
+        ("kvlib-int4", "kvlib-int4", None),
+        ("evict-h2o-int4@1/4", "evict-h2o-int4", (1, 4)),
+        ("snapkv@0.25", "snapkv", (1, 4)),  # kvpress's compression ratio, written as a decimal
+        ("PCA cross-layer, target 16x", "PCA cross-layer", (1, 16)),
+        ("k-q8_0/v-q4_0", "k-q8_0/v-q4_0", None),  # a slash in a name is not a budget
+    ],
+)
+def test_row_keys_read_every_form_the_runs_write(name, cache, budget):
+    key = results.RowKey.parse(name)
+    assert key.cache == cache
+    assert key.budget == (None if budget is None else Fraction(*budget))
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        (4, TypeError),
+        ("", ValueError),
+        (" kvlib-int4", ValueError),
+        ("evict-h2o@0", ValueError),  # keeps nothing
+        ("evict-h2o@3/2", ValueError),  # more than the fp16 cache
+        ("evict-h2o@1/0", ValueError),
+        ("auto@0.25GiB", ValueError),  # a memory size, not a share of the fp16 bytes
+        ("kvtc@", ValueError),
+        ("PCA, target 0.5x", ValueError),
+    ],
+)
+def test_bad_row_names_are_refused_with_a_clear_error(name, error):
+    with pytest.raises(error):
+        results.RowKey.parse(name)
+
+
+def test_a_row_key_refuses_bad_fields():
+    with pytest.raises(TypeError, match="Fraction"):
+        results.RowKey("kvtc", 0.25)
+    with pytest.raises(ValueError, match="'@'"):
+        results.RowKey("kvtc@1/4")
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        results.RowKey("kvtc", Fraction(5, 4))
+    with pytest.raises(ValueError, match="expected"):
+        results.BestKey.parse("eviction 1/4")
+
+
+def test_every_budgeted_row_of_the_package_results_parses():
+    runs = results.load_results()["runs"]
+    budgeted = {
+        str(k)
+        for name in ("eviction", "eviction_int4_groups", "kvpress", "pca")
+        for k in results.rows(runs[name])
+        if k.budget is not None
+    }
+    assert {"evict-h2o-int4@1/4", "kvtc@1/16", "snapkv@1/8", "PCA cross-layer@1/12"} <= budgeted
+    best = results.best(runs["eviction"])
+    key = best[results.BestKey(Fraction(1, 4), "eviction+int4")]
+    assert key.budget == Fraction(1, 4) and str(key) in runs["eviction"]["rows"]
+    assert str(results.reference(runs["eviction"])) == "dynamic-fp32"
+
+
+def test_the_reference_caches_are_the_registry_s():
+    import torch
+
+    names = {
+        cache_registry.reference_name(d) for d in (torch.float32, torch.float16, torch.bfloat16)
+    }
+    assert names == set(results.REFERENCE_CACHES)
+
+
+def test_rows_refuse_two_names_of_one_key_and_a_best_row_the_run_lacks():
+    with pytest.raises(ValueError, match="same key"):
+        results.rows({"rows": {"snapkv@0.25": {}, "snapkv@1/4": {}}})
+    with pytest.raises(ValueError, match="not among"):
+        results.best({"rows": {"kvtc@1/4": {}}, "best": {"1/4 transform coding": "kvtc@1/8"}})
+    with pytest.raises(ValueError, match="no group"):
+        results.rows({"rows": {}}, "best")
+    with pytest.raises(ValueError, match="one reference"):
+        results.reference({"rows": {"kvtc@1/4": {}}})

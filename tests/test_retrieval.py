@@ -152,9 +152,9 @@ def test_one_shared_prefill_answers_as_generate_does(model, tokenizer):
     caches = {
         "dynamic": None,
         "kvlib-int4": cache_registry.cache_factory("kvlib-int4", config),
-        "snapkv": cache_registry.eviction_factory("evict-snapkv", config, budget=96),
-        "h2o-int4": cache_registry.eviction_factory("evict-h2o-int4", config, budget=96),
-        "tova": cache_registry.eviction_factory("evict-tova", config, budget=64),
+        "snapkv": cache_registry.cache_factory("evict-snapkv", config, budget=96),
+        "h2o-int4": cache_registry.cache_factory("evict-h2o-int4", config, budget=96),
+        "tova": cache_registry.cache_factory("evict-tova", config, budget=64),
     }
     grid = {"context_tokens": (300,), "depths": (0.2, 0.7), "trials": 2, "seed": 3}
     shared = retrieval.compare_retrieval(model, tokenizer, caches, **grid)

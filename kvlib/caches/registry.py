@@ -26,10 +26,13 @@ quantizes the global layers only; transformers' own ``QuantizedCache`` refuses s
 its rows get the same windows (:func:`kvlib.compat.hf_quantized_cache`'s ``sliding_layer``) and
 differ from kvlib's only where the quantizer does.
 
-Token-eviction caches (:class:`kvlib.caches.eviction.cache.EvictionCache`, notebook 10) are named apart, in
-:data:`EVICTION_NAMES`, because their size is a budget rather than a bit width:
+Token-eviction caches (:class:`kvlib.caches.eviction.cache.EvictionCache`, notebook 10, family
+``evict``) are in the same table; their size is a budget rather than a bit width, given as part
+of the name, a share of the fp16 cache's bytes (``evict-h2o-int4@1/4``, with ``tokens=`` the
+tokens it will hold), or as ``budget=`` (tokens per layer) or ``max_bytes=``:
 ``evict-<policy>`` keeps float16 keys and values, ``evict-<policy>-int4`` quantizes the kept
-tokens to int4; :func:`eviction_factory` takes the budget (tokens per layer, or ``max_bytes``).
+tokens to int4 (:data:`EVICTION_NAMES` lists them). The names are parsed by :mod:`kvlib.keys`,
+as the results file's rows are.
 
 Defaults (group sizes, the full-precision window) are read from the classes — kvlib's
 :class:`~kvlib.caches.quantized.QuantizedKVCache` and its default functions, transformers'
@@ -41,34 +44,37 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from kvlib import compat
+from kvlib import compat, memory
 from kvlib.caches import layout as cache_layout
 from kvlib.caches import quantized as kvcache
 from kvlib.caches.eviction import cache as eviction
 from kvlib.caches.sliding import SlidingWindowLayer
+from kvlib.keys import RowKey
+from kvlib.specs import spec_from_config
+from kvlib.validate import check_int
 
 __all__ = [
     "CACHE_NAMES",
     "EVICTION_NAMES",
     "FAMILIES",
+    "INT_RESIDUAL",
     "CacheInfo",
-    "EvictionInfo",
     "cache_factory",
     "cache_info",
     "check_names",
-    "eviction_factory",
-    "eviction_info",
+    "fp16_bytes",
     "make_cache",
     "reference_name",
 ]
 
-#: Cache families: who implements the cache.
-FAMILIES: tuple[str, ...] = ("dynamic", "kvlib", "quanto", "hqq", "fp8")
+#: Cache families: who implements the cache, and how (``evict``: kvlib's token eviction).
+FAMILIES: tuple[str, ...] = ("dynamic", "kvlib", "quanto", "hqq", "fp8", "evict")
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "fp32",
@@ -92,6 +98,8 @@ class CacheInfo:
             attention-sink tokens), which :mod:`kvlib.memory`'s formula leaves out.
         description: one line for tables.
         options: the constructor options that make this variant (empty for the defaults).
+        policy: the eviction policy (:data:`kvlib.caches.eviction.cache.POLICIES`) of an
+            ``evict`` cache, else ``None``.
     """
 
     name: str
@@ -101,6 +109,13 @@ class CacheInfo:
     residual_tokens: int
     description: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    policy: str | None = None
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the cache takes a budget (a share of the fp16 bytes, ``name@1/4``): the
+        eviction caches, whose size is a budget rather than a bit width."""
+        return self.family == "evict"
 
     def cache_bits(self, dtype_bits: int = 16) -> int:
         """Bits per cached value when the model computes in ``dtype_bits``-bit floats.
@@ -121,6 +136,8 @@ class CacheInfo:
     def factory(self, config: Any, **options: Any) -> Callable[[], Any]:
         """A zero-argument function returning a fresh cache of this kind for ``config`` (the
         model's transformers config); ``options`` override this variant's own."""
+        if self.family == "evict":
+            return _eviction_factory(self, config, None, **options)
         merged = {**self.options, **options}
         if self.family == "dynamic":
             if merged:
@@ -277,27 +294,131 @@ def _reference_entries() -> list[CacheInfo]:
     ]
 
 
-_ENTRIES: dict[str, CacheInfo] = {
-    e.name: e for e in (*_reference_entries(), *_kvlib_entries(), *_hf_entries())
-}
-
-#: Every cache name, in display order: the references, kvlib's, then transformers' own.
-CACHE_NAMES: tuple[str, ...] = tuple(_ENTRIES)
+# ---------------------------------------------------------------------- token eviction
 
 
-def cache_info(name: str) -> CacheInfo:
-    """What ``name`` means (one of :data:`CACHE_NAMES`).
+#: Newest tokens an ``evict-<policy>-int4`` cache keeps in float16 (its ``residual``): KIVI's
+#: smallest residual and SnapKV's observation window. Measured on 1,024 tokens at 1/4 of the
+#: fp16 bytes, it takes H2O-int4's perplexity cost from +1.1 % to +0.1 % (bench_eviction.py).
+INT_RESIDUAL = 32
+
+
+def _eviction_entries() -> list[CacheInfo]:
+    out = []
+    for policy, scorer in eviction.POLICIES.items():
+        line = scorer.description
+        out.append(
+            CacheInfo(
+                f"evict-{policy}",
+                "evict",
+                16,
+                None,
+                0,
+                f"{line}; float16 keys and values",
+                MappingProxyType({"dtype": torch.float16}),
+                policy=policy,
+            )
+        )
+        out.append(
+            CacheInfo(
+                f"evict-{policy}-int4",
+                "evict",
+                4,
+                eviction.GROUP_SIZE,
+                INT_RESIDUAL,
+                f"{line}; kept tokens in int4 (per token, {eviction.GROUP_SIZE} channels per "
+                f"scale), the newest {INT_RESIDUAL} in float16",
+                MappingProxyType({"dtype": torch.float16, "bits": 4, "residual": INT_RESIDUAL}),
+                policy=policy,
+            )
+        )
+    return out
+
+
+def fp16_bytes(config: Any, tokens: int) -> int:
+    """Bytes of an fp16 ``DynamicCache`` holding ``tokens`` tokens of one sequence of a model
+    with this transformers ``config`` (sliding-window layers count their window at most, as
+    :func:`kvlib.memory.kv_cache_bytes` prices them): what a budget's fraction is a fraction of.
 
     Raises:
-        TypeError: ``name`` is not a string.
-        ValueError: an unknown name (the message lists the known ones).
+        TypeError / ValueError: not a transformers config, or ``tokens`` not an int >= 1.
     """
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(f"config must be a transformers config (got {type(config).__name__})")
+    check_int(tokens, "tokens", minimum=1)
+    return memory.kv_cache_bytes(spec_from_config(config.get_text_config(decoder=True)), tokens)
+
+
+def _eviction_factory(
+    info: CacheInfo,
+    config: Any,
+    share: Fraction | None,
+    *,
+    tokens: int | None = None,
+    **options: Any,
+) -> Callable[[], Any]:
+    merged = {**info.options, **options}
+    if share is not None:
+        if tokens is None:
+            raise ValueError(
+                f"{info.name}@{share} keeps {share} of the fp16 bytes of the tokens it will "
+                "hold: pass tokens=<that many>"
+            )
+        if "budget" in merged or "max_bytes" in merged:
+            raise ValueError(
+                f"{info.name}@{share} already has a budget: pass budget=/max_bytes= to the "
+                "bare name instead"
+            )
+        merged["max_bytes"] = fp16_bytes(config, tokens) * share.numerator // share.denominator
+    elif tokens is not None:
+        raise ValueError(f"tokens= sets a fractional budget: name it, as in {info.name}@1/4")
+    tokens_budget = merged.pop("budget", None)
+    eviction.EvictionCache(config, info.policy, tokens_budget, **merged)  # bad options fail here
+    return lambda: eviction.EvictionCache(config, info.policy, tokens_budget, **merged)
+
+
+_ENTRIES: dict[str, CacheInfo] = {
+    e.name: e
+    for e in (*_reference_entries(), *_kvlib_entries(), *_hf_entries(), *_eviction_entries())
+}
+
+#: Every cache name, in display order: the references, kvlib's quantized caches, transformers'
+#: own, then the eviction caches (which take a budget: ``evict-h2o-int4@1/4``).
+CACHE_NAMES: tuple[str, ...] = tuple(_ENTRIES)
+
+#: The eviction caches' names: ``evict-<policy>`` (float16) and ``evict-<policy>-int4``.
+EVICTION_NAMES: tuple[str, ...] = tuple(n for n, e in _ENTRIES.items() if e.family == "evict")
+
+
+def _split(name: Any) -> tuple[CacheInfo, Fraction | None]:
+    """``name`` (``"kvlib-int4"``, ``"evict-h2o-int4@1/4"``) as its entry and its budget."""
     if not isinstance(name, str):
         raise TypeError(f"cache name must be a str (got {type(name).__name__})")
     try:
-        return _ENTRIES[name]
-    except KeyError:
-        raise ValueError(f"unknown cache {name!r}; accepted: {', '.join(CACHE_NAMES)}") from None
+        key = RowKey.parse(name)
+    except ValueError as e:
+        raise ValueError(
+            f"bad cache name {name!r} ({e}); accepted: {', '.join(CACHE_NAMES)}, the evict-* "
+            "names with a budget as in evict-h2o@1/4"
+        ) from None
+    if key.cache not in _ENTRIES:
+        raise ValueError(f"unknown cache {name!r}; accepted: {', '.join(CACHE_NAMES)}")
+    info = _ENTRIES[key.cache]
+    if key.budget is not None and not info.budgeted:
+        raise ValueError(f"cache {key.cache!r} takes no budget (got {name!r})")
+    return info, key.budget
+
+
+def cache_info(name: str) -> CacheInfo:
+    """What ``name`` means: one of :data:`CACHE_NAMES`, with a budget where the cache takes one
+    (``"evict-h2o-int4@1/4"`` means ``evict-h2o-int4``).
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: an unknown name (the message lists the known ones), or a budget on a cache
+            that takes none.
+    """
+    return _split(name)[0]
 
 
 def check_names(names: Any) -> list[str]:
@@ -329,129 +450,24 @@ def cache_factory(name: str, config: Any, **options: Any) -> Callable[[], Any]:
     """A zero-argument function returning a fresh cache called ``name`` for ``config``.
 
     Args:
-        name: one of :data:`CACHE_NAMES`.
+        name: one of :data:`CACHE_NAMES`; an eviction cache with its budget as a share of the
+            fp16 bytes, ``"evict-h2o-int4@1/4"`` (then pass ``tokens``), or bare with
+            ``budget=`` (tokens per layer and KV head) or ``max_bytes=`` (per sequence).
         config: the model's transformers config (``model.config``).
         **options: constructor options on top of the variant's own (e.g.
-            ``residual_length=64`` for kvlib; ``q_group_size`` for quanto/HQQ).
+            ``residual_length=64`` for kvlib; ``q_group_size`` for quanto/HQQ; ``tokens``,
+            ``budget``, ``max_bytes``, ``sinks``, ``window`` for eviction).
 
     Raises:
-        ValueError: unknown name, or options for a cache that takes none.
+        ValueError / TypeError: unknown name, options for a cache that takes none, a missing or
+            doubled budget (checked here, not at first use).
     """
-    return cache_info(name).factory(config, **options)
+    info, budget = _split(name)
+    if info.family == "evict":
+        return _eviction_factory(info, config, budget, **options)
+    return info.factory(config, **options)
 
 
 def make_cache(name: str, config: Any, **options: Any) -> Any:
     """One fresh cache called ``name`` (see :func:`cache_factory`)."""
     return cache_factory(name, config, **options)()
-
-
-# ---------------------------------------------------------------------- token eviction
-
-
-#: Newest tokens an ``evict-<policy>-int4`` cache keeps in float16 (its ``residual``): KIVI's
-#: smallest residual and SnapKV's observation window. Measured on 1,024 tokens at 1/4 of the
-#: fp16 bytes, it takes H2O-int4's perplexity cost from +1.1 % to +0.1 % (bench_eviction.py).
-INT_RESIDUAL = 32
-
-
-@dataclass(frozen=True)
-class EvictionInfo:
-    """What an eviction cache name means.
-
-    Attributes:
-        name: the registry name (:data:`EVICTION_NAMES`).
-        policy: one of :data:`kvlib.caches.eviction.cache.POLICIES`.
-        bits: bits per stored code, or ``None`` for float16 storage.
-        description: one line for tables.
-    """
-
-    name: str
-    policy: str
-    bits: int | None
-    description: str
-
-    def factory(
-        self,
-        config: Any,
-        *,
-        budget: int | None = None,
-        max_bytes: int | None = None,
-        **options: Any,
-    ) -> Callable[[], Any]:
-        """A zero-argument function returning a fresh :class:`kvlib.caches.eviction.cache.EvictionCache`
-        of this kind for ``config``, holding ``budget`` tokens per layer (or ``max_bytes``)."""
-        storage: dict[str, Any] = {"dtype": torch.float16}
-        if self.bits:
-            storage |= {"bits": self.bits, "residual": INT_RESIDUAL}
-        merged = {**storage, **options}
-        eviction.EvictionCache(config, self.policy, budget, max_bytes=max_bytes, **merged)
-        return lambda: eviction.EvictionCache(
-            config, self.policy, budget, max_bytes=max_bytes, **merged
-        )
-
-
-_EVICTION_LINES = {
-    "streaming": "StreamingLLM: attention sinks plus the most recent tokens",
-    "snapkv": "SnapKV: scored once per prefill by the prompt's last queries",
-    "h2o": "H2O: accumulated attention (heavy hitters) plus recent tokens",
-    "tova": "TOVA: the last query's attention, every step",
-    "knorm": "KNorm: lowest key norms",
-}
-
-
-def _eviction_entries() -> dict[str, EvictionInfo]:
-    out = {}
-    for policy in eviction.POLICIES:
-        line = _EVICTION_LINES.get(policy, policy)
-        out[f"evict-{policy}"] = EvictionInfo(
-            f"evict-{policy}", policy, None, f"{line}; float16 keys and values"
-        )
-        out[f"evict-{policy}-int4"] = EvictionInfo(
-            f"evict-{policy}-int4",
-            policy,
-            4,
-            f"{line}; kept tokens in int4 (per token, {eviction.GROUP_SIZE} channels per scale), "
-            f"the newest {INT_RESIDUAL} in float16",
-        )
-    return out
-
-
-_EVICTION: dict[str, EvictionInfo] = _eviction_entries()
-
-#: Every eviction cache name: ``evict-<policy>`` (float16) and ``evict-<policy>-int4``.
-EVICTION_NAMES: tuple[str, ...] = tuple(_EVICTION)
-
-
-def eviction_info(name: str) -> EvictionInfo:
-    """What an eviction cache ``name`` means (one of :data:`EVICTION_NAMES`).
-
-    Raises:
-        TypeError: ``name`` is not a string.
-        ValueError: an unknown name (the message lists the known ones).
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"eviction cache name must be a str (got {type(name).__name__})")
-    try:
-        return _EVICTION[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction cache {name!r}; accepted: {', '.join(EVICTION_NAMES)}"
-        ) from None
-
-
-def eviction_factory(
-    name: str,
-    config: Any,
-    *,
-    budget: int | None = None,
-    max_bytes: int | None = None,
-    **options: Any,
-) -> Callable[[], Any]:
-    """A zero-argument function returning a fresh eviction cache called ``name``, holding
-    ``budget`` tokens per layer and KV head or at most ``max_bytes`` per sequence (exactly one);
-    ``options`` go to :class:`kvlib.caches.eviction.cache.EvictionCache` (``sinks``, ``window``, ...).
-
-    Raises:
-        ValueError / TypeError: unknown name, bad budget (checked here, not at first use).
-    """
-    return eviction_info(name).factory(config, budget=budget, max_bytes=max_bytes, **options)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 from kvlib import memory
 from kvlib import results as kvresults
+from kvlib.keys import BestKey
 from kvlib.plan import engine_support, engines
 from kvlib.plan import rule as plan_rule
 from kvlib.plan.engines import EngineKV
@@ -99,8 +101,8 @@ def quality_note(
         run = kvresults.run("pca", results)
         rows = [
             r
-            for name, r in run.get("rows", {}).items()
-            if name.startswith("PCA cross-layer") and isinstance(r, Mapping)
+            for key, r in (kvresults.rows(run) if run else {}).items()
+            if key.cache == "PCA cross-layer" and isinstance(r, Mapping)
         ]
         ratios = [r["x_smaller_than_fp16"] for r in rows if "x_smaller_than_fp16" in r]
         deltas = [r["perplexity_delta_pct"] for r in rows if "perplexity_delta_pct" in r]
@@ -588,7 +590,10 @@ def _eviction_figures(run: Mapping[str, Any], name: str) -> str:
     rows = run["rows"]
     row = rows[name]
     # the reference: the uncompressed DynamicCache (cache_registry.reference_name: dynamic-fp32 …)
-    ref = next((r for n, r in rows.items() if n.startswith("dynamic-")), {})
+    try:
+        ref = rows[str(kvresults.reference(run))]
+    except ValueError:  # a run without its reference row: the figures stand alone
+        ref = {}
     parts = []
     settings = run.get("settings", {})
     tokens, segs = settings.get("tokens"), row.get("perplexity_delta_pct_segments")
@@ -621,17 +626,18 @@ def eviction_note(d: Decision, results: Mapping[str, Any]) -> str | None:
     if o is None:
         return None
     run = kvresults.run("eviction", results)
-    best, rows = run.get("best"), run.get("rows")
     families = _EVICTION_FAMILIES.get(d.quality, _EVICTION_DEFAULT)
-    name = None
-    if isinstance(best, Mapping) and isinstance(rows, Mapping):
-        keys = (best.get(f"{o.fraction} {f}") for f in families)
-        name = next((n for n in keys if isinstance(n, str) and n in rows), None)
+    try:  # a run without a best group, or naming a row it lacks, has no figures to cite
+        best = kvresults.best(run)
+    except ValueError:
+        best = {}
+    found = (best.get(BestKey(Fraction(1, o.keep), f)) for f in families)
+    key = next((k for k in found if k is not None), None)
     where = f"{o.fraction} of the fp16 bytes per sequence"
-    if name is not None:
+    if key is not None:
         what = (
-            f"kvlib's {name.split('@')[0]} at {where} ({o.engine} + kvlib's cache; "
-            f"{kvresults.citation(run)}: {_eviction_figures(run, name)})"
+            f"kvlib's {key.cache} at {where} ({o.engine} + kvlib's cache; "
+            f"{kvresults.citation(run)}: {_eviction_figures(run, str(key))})"
         )
     else:
         cache = "evict-<policy>" + ("-int4" if "eviction+int4" in families else "")

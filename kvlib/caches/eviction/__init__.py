@@ -1,12 +1,18 @@
 """Token eviction: a cache that keeps a budget of tokens per layer (notebook 10).
 
-============  ===================================================================
-module        what it holds
-============  ===================================================================
-``scores``    the policies' token scores: StreamingLLM, SnapKV, H2O, TOVA, KNorm
-``queries``   the attention queries a forward pass computes (the scores' input)
-``cache``     :class:`~kvlib.caches.eviction.cache.EvictionCache`, float16 or int4
-============  ===================================================================
+=============  ==================================================================
+module         what it holds
+=============  ==================================================================
+``policy``     what a policy is: :class:`~kvlib.caches.eviction.policy.Policy`
+``scores``     what the policies share: attention weights, the kept set
+``streaming``  StreamingLLM: attention sinks plus the most recent tokens
+``snapkv``     SnapKV: the prompt's last queries pick the tokens, once
+``h2o``        H2O: accumulated attention (heavy hitters) plus recent tokens
+``tova``       TOVA: the last query's attention, every step
+``knorm``      KNorm: the lowest key norms
+``queries``    the attention queries a forward pass computes (the scores' input)
+``cache``      :class:`~kvlib.caches.eviction.cache.EvictionCache`, float16 or int4
+=============  ==================================================================
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["cache", "queries", "scores"]
+__all__ = ["cache", "h2o", "knorm", "policy", "queries", "scores", "snapkv", "streaming", "tova"]
 
 
 def __getattr__(name: str) -> ModuleType:

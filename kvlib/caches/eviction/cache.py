@@ -3,7 +3,7 @@
 Quantization stores every token in fewer bits; eviction keeps fewer tokens. :class:`EvictionCache`
 is a transformers ``Cache`` made of one :class:`EvictionLayer` (a ``CacheLayerMixin``) per
 decoder layer, so ``generate()`` and a chunked forward loop (``kvlib.eval.quality.perplexity``) use
-it unchanged. Policies (:data:`POLICIES`, scoring in :mod:`kvlib.caches.eviction.scores`):
+it unchanged. Policies (:data:`POLICIES`, one module each, on :class:`~kvlib.caches.eviction.policy.Policy`):
 ``streaming`` (StreamingLLM), ``snapkv``, ``h2o``, ``tova`` and ``knorm``.
 
 **What a layer holds.** Between forward passes, at most ``budget`` tokens per KV head
@@ -57,7 +57,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlib import compat
 from kvlib.caches.base import BatchRows, check_states, row_indices
 from kvlib.caches.eviction import scores as es
+from kvlib.caches.eviction.h2o import H2O
+from kvlib.caches.eviction.knorm import KNorm
+from kvlib.caches.eviction.policy import Observation, Policy
 from kvlib.caches.eviction.queries import capture_queries, recorded_queries
+from kvlib.caches.eviction.snapkv import SnapKV
+from kvlib.caches.eviction.streaming import StreamingLLM
+from kvlib.caches.eviction.tova import TOVA
 from kvlib.caches.quantized import default_group_size
 from kvlib.caches.sliding import SlidingWindowLayer
 from kvlib.quant.tensor import QuantizedTensor, hadamard, quantize
@@ -73,18 +79,11 @@ __all__ = [
     "token_nbytes",
 ]
 
-#: Eviction policies: name -> (needs queries, keeps running scores, default sinks).
-POLICIES: dict[str, tuple[bool, bool, int]] = {
-    "streaming": (False, False, 4),
-    "snapkv": (True, True, 0),
-    "h2o": (True, True, 0),
-    "tova": (True, False, 0),
-    "knorm": (False, False, 0),
+#: Eviction policies by name, one module and one :class:`~kvlib.caches.eviction.policy.Policy`
+#: each.
+POLICIES: dict[str, Policy] = {
+    p.name: p for p in (StreamingLLM(), SnapKV(), H2O(), TOVA(), KNorm())
 }
-
-#: SnapKV's observation window and pooling kernel (kvpress uses 64 and 5; the paper 32).
-SNAPKV_WINDOW = 32
-SNAPKV_KERNEL = 5
 
 
 def _check_policy(policy: Any) -> str:
@@ -96,16 +95,11 @@ def _check_policy(policy: Any) -> str:
 
 
 def default_window(policy: str, budget: int) -> int:
-    """Recent tokens always kept: SnapKV's observation window (``SNAPKV_WINDOW``, at most
-    half the budget), half the budget for H2O (its heavy/recent split), the last token for
-    TOVA, none for KNorm; StreamingLLM keeps ``budget - sinks``."""
-    if policy == "snapkv":
-        return max(1, min(SNAPKV_WINDOW, budget // 2))
-    if policy == "h2o":
-        return budget // 2
-    if policy == "tova":
-        return 1
-    return 0
+    """Recent tokens always kept (:meth:`~kvlib.caches.eviction.policy.Policy.default_window`):
+    SnapKV's observation window (``SNAPKV_WINDOW``, at most half the budget), half the budget
+    for H2O (its heavy/recent split), the last token for TOVA, none for KNorm; StreamingLLM
+    keeps ``budget - sinks``."""
+    return POLICIES[_check_policy(policy)].default_window(budget)
 
 
 #: The most channels one float16 scale and zero point cover when kept tokens are quantized (each
@@ -137,7 +131,7 @@ def token_nbytes(
     else:
         g = _default_group(head_dim) if group_size is None else group_size
         kv = 2 * (math.ceil(head_dim * bits / 8) + 2 * 2 * (head_dim // g))
-    state = 4 + (4 if POLICIES[_check_policy(policy)][1] else 0)
+    state = 4 + (4 if POLICIES[_check_policy(policy)].keeps_scores else 0)
     return kv_heads * (kv + state)
 
 
@@ -198,22 +192,20 @@ class EvictionLayer(BatchRows, CacheLayerMixin):
     ) -> None:
         super().__init__()
         self.policy = _check_policy(policy)
-        self.needs_queries, self.keeps_scores, default_sinks = POLICIES[policy]
+        self.scorer = POLICIES[policy]
+        self.needs_queries, self.keeps_scores = self.scorer.needs_queries, self.scorer.keeps_scores
         self.budget = check_int(budget, "budget", minimum=1)
-        self.sinks = default_sinks if sinks is None else check_int(sinks, "sinks", minimum=0)
+        self.sinks = (
+            self.scorer.default_sinks if sinks is None else check_int(sinks, "sinks", minimum=0)
+        )
         if self.sinks >= self.budget:
             raise ValueError(
                 f"budget must exceed sinks (got budget {self.budget}, sinks {self.sinks})"
             )
         room = self.budget - self.sinks
-        if policy == "streaming":
-            self.window = room
-        elif window is None:
-            self.window = min(default_window(policy, self.budget), room)
-        else:
-            self.window = check_int(window, "window", minimum=0)
-            if self.window > room:
-                raise ValueError(f"window must be <= budget - sinks = {room} (got {self.window})")
+        if window is not None:
+            window = check_int(window, "window", minimum=0)
+        self.window = self.scorer.window(self.budget, self.sinks, window)
         self.bits = None if bits is None else check_bits(bits)
         self.residual = check_int(residual, "residual", minimum=0)
         if self.residual and self.bits is None:
@@ -328,44 +320,23 @@ class EvictionLayer(BatchRows, CacheLayerMixin):
         self.pending = (queries, float(scaling))
 
     def _score(self, keys: torch.Tensor, q_len: int) -> torch.Tensor | None:
-        """Scores of every token held after this pass (old + new), or None when the policy
-        keeps the previous ones (SnapKV while decoding)."""
-        pos = self.positions
-        if self.policy == "streaming":
-            return es.streaming_scores(pos)
-        if self.policy == "knorm":
-            return es.knorm_scores(keys)
-        if self.pending is None:
-            raise RuntimeError(
-                f"policy {self.policy!r} scores tokens by attention, which needs the model's "
-                "queries: run the model inside `with kvlib.caches.eviction.cache.capture_queries(model):`"
-            )
-        queries, scaling = self.pending
-        self.pending = None
-        if queries.shape[2] != q_len:
-            raise RuntimeError("the captured queries do not match this update's tokens")
-        n = keys.shape[2]
-        if self.policy == "snapkv" and q_len == 1:
-            return None  # decoding: the new token joins the protected window
-        qpos = torch.arange(self.seen - q_len, self.seen, device=keys.device)
-        if self.policy == "snapkv":  # only the observation window's queries are needed
-            w = min(self.window, q_len, n - 1)
-            weights = es.attention_weights(queries[:, :, -w:], keys, pos, qpos[-w:], scaling)
-            return es.snapkv_scores(weights, w, SNAPKV_KERNEL)
-        if self.policy == "tova":
-            weights = es.attention_weights(queries[:, :, -1:], keys, pos, qpos[-1:], scaling)
-            return es.tova_scores(weights)
-        # h2o: every query's weights, accumulated; in slices of queries to bound memory
-        total = torch.zeros(pos.shape, dtype=torch.float32, device=keys.device)
-        for s in range(0, q_len, 256):
-            weights = es.attention_weights(
-                queries[:, :, s : s + 256], keys, pos, qpos[s : s + 256], scaling
-            )
-            total += es.h2o_scores(weights)
-        old = self.scores.shape[2] if self.scores is not None else 0
-        if old:
-            total[:, :, :old] += self.scores
-        return total
+        """The policy's scores of every token held after this pass (old + new), or None when
+        it keeps the previous ones (SnapKV while decoding)."""
+        queries = scaling = None
+        if self.needs_queries:
+            if self.pending is None:
+                raise RuntimeError(
+                    f"policy {self.policy!r} scores tokens by attention, which needs the model's "
+                    "queries: run the model inside "
+                    "`with kvlib.caches.eviction.cache.capture_queries(model):`"
+                )
+            (queries, scaling), self.pending = self.pending, None
+            if queries.shape[2] != q_len:
+                raise RuntimeError("the captured queries do not match this update's tokens")
+        seen = Observation(
+            keys, self.positions, q_len, self.seen, self.window, self.scores, queries, scaling
+        )
+        return self.scorer.score(seen)
 
     # ------------------------------------------------------------------ CacheLayerMixin API
 

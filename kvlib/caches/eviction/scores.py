@@ -1,7 +1,9 @@
-"""How token-eviction policies score the cached tokens, and which tokens they keep (notebook 10).
+"""What every token-eviction policy shares: attention weights, and which tokens to keep (notebook 10).
 
-Pure tensor functions, no cache and no model: :mod:`kvlib.caches.eviction.cache` calls them from inside a
-transformers cache layer, and notebook 10 checks its from-scratch versions against them.
+Pure tensor functions, no cache and no model: the policies (one module each, a
+:class:`~kvlib.caches.eviction.policy.Policy` apiece) score tokens with :func:`attention_weights`,
+and :mod:`kvlib.caches.eviction.cache` turns any policy's scores into the kept set with
+:func:`keep_indices`; notebook 10 checks its from-scratch versions against them.
 
 Shapes follow transformers: queries ``(batch, heads, q_len, head_dim)``, keys
 ``(batch, kv_heads, n, head_dim)`` (after RoPE, as cached), attention weights
@@ -9,7 +11,7 @@ Shapes follow transformers: queries ``(batch, heads, q_len, head_dim)``, keys
 each KV head, scores ``(batch, kv_heads, n)``: one per cached token and KV head, higher = keep.
 
 =============  ==================================================================  ===========
-policy         score of a cached token                                             kept set
+policy         score of a cached token (its module)                                kept set
 =============  ==================================================================  ===========
 ``streaming``  its position (StreamingLLM: the first ``sinks`` tokens plus the     per layer
                most recent ones)
@@ -33,17 +35,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-__all__ = [
-    "attention_weights",
-    "h2o_scores",
-    "keep_indices",
-    "knorm_scores",
-    "snapkv_scores",
-    "streaming_scores",
-    "tova_scores",
-]
+__all__ = ["attention_weights", "keep_indices"]
 
 
 def attention_weights(
@@ -77,56 +70,6 @@ def attention_weights(
     visible = key_positions[:, :, None, None, :] <= query_positions.view(1, 1, 1, q_len, 1)
     logits = logits.masked_fill(~visible, -math.inf)
     return torch.softmax(logits, dim=-1)
-
-
-def streaming_scores(positions: torch.Tensor) -> torch.Tensor:
-    """StreamingLLM: a token's score is its position, so the most recent tokens win."""
-    return positions.float()
-
-
-def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
-    """KNorm: ``-||key||_2`` over head_dim, ``(batch, kv_heads, n)``; low-norm keys are kept."""
-    return -keys.float().norm(dim=-1)
-
-
-def snapkv_scores(weights: torch.Tensor, window: int, kernel_size: int = 5) -> torch.Tensor:
-    """SnapKV: how much the last ``window`` queries attend to each token before the window.
-
-    Args:
-        weights: ``(batch, kv_heads, group, q_len, n)`` from :func:`attention_weights`, the
-            last ``q_len`` keys being the queries' own tokens.
-        window: observation window (the last ``window`` queries; <= q_len, < n).
-        kernel_size: average pooling along the tokens (odd), as kvpress's ``SnapKVPress``.
-
-    Returns:
-        ``(batch, kv_heads, n)``: the weights of the window's queries, averaged over them,
-        pooled over ``kernel_size`` neighbouring tokens (zero-padded, counted in the mean),
-        averaged over the group's query heads; the window's own ``window`` tokens get the
-        maximum score (they are kept).
-    """
-    b, h, g, q_len, n = weights.shape
-    if not 1 <= window <= q_len or window >= n:
-        raise ValueError(f"window must be in 1..min(q_len={q_len}, n - 1={n - 1}) (got {window})")
-    w = weights[..., -window:, : n - window].mean(dim=-2)  # (b, h, g, n - window)
-    pooled = F.avg_pool1d(
-        w.reshape(-1, 1, n - window), kernel_size, stride=1, padding=kernel_size // 2
-    ).view(b, h, g, n - window)
-    scores = pooled.mean(dim=2)
-    top = scores.amax(dim=-1, keepdim=True).expand(b, h, window)
-    return torch.cat([scores, top], dim=-1)
-
-
-def h2o_scores(weights: torch.Tensor) -> torch.Tensor:
-    """H2O: attention each token received from these queries, summed over queries and over
-    the group's query heads, ``(batch, kv_heads, n)``; the cache accumulates it over steps."""
-    return weights.sum(dim=(2, 3))
-
-
-def tova_scores(weights: torch.Tensor) -> torch.Tensor:
-    """TOVA: the last query's attention averaged over ALL query heads, the same for every KV
-    head (so the whole layer keeps one set), ``(batch, kv_heads, n)``."""
-    last = weights[..., -1, :].mean(dim=(1, 2), keepdim=True)  # (b, 1, 1, n)
-    return last[:, :, 0].expand(-1, weights.shape[1], -1)
 
 
 def keep_indices(
