@@ -198,3 +198,39 @@ def test_compare_refuses_a_cache_that_changes_the_prefill(model, tokenizer):
 def test_compare_refuses_bad_arguments(caches, kwargs, error, match):
     with pytest.raises(error, match=match):
         retrieval.compare_retrieval(object(), CharTokenizer(), caches, **kwargs)
+
+
+@pytest.mark.parametrize("n_keys", [1, 3])
+def test_key_positions_point_at_the_asked_key(n_keys):
+    tok = CharTokenizer()
+    trial = retrieval.make_trial(tok, 1000, 0.4, n_keys=n_keys, rng=random.Random(5), corpus=CORPUS)
+    spans = trial.key_positions(tok)
+    ids = trial.input_ids[0]
+    assert len(spans) == (2 if n_keys == 1 else 1)  # the single-key needle states it twice
+    for span in spans:
+        assert tok.decode(ids[span.start : span.stop]) == trial.answer
+    text = tok.decode(ids)
+    assert [s.start for s in spans] == [m.start() for m in re.finditer(trial.answer, text)]
+
+
+def test_key_positions_on_the_bundled_tokenizer(tokenizer):
+    trial = retrieval.make_trial(tokenizer, 512, 0.5, rng=random.Random(1))
+    spans = trial.key_positions(tokenizer)
+    ids = trial.input_ids[0]
+    assert len(spans) == 2 and all(len(s) >= 1 for s in spans)
+    assert all(tokenizer.decode(ids[s.start : s.stop]).strip() == trial.answer for s in spans)
+    depth = spans[0].start / ids.shape[0]
+    assert 0.3 < depth < 0.7
+
+
+def test_key_positions_refuses_a_key_merged_with_its_neighbours():
+    class Merging(CharTokenizer):
+        def decode(self, ids, skip_special_tokens=False):
+            return "x" + super().decode(ids)  # no token's text starts the key
+
+    tok = CharTokenizer()
+    trial = retrieval.make_trial(tok, 500, 0.5, rng=random.Random(2), corpus=CORPUS)
+    with pytest.raises(ValueError, match="not a run of whole tokens"):
+        trial.key_positions(Merging())
+    with pytest.raises(TypeError, match="decode"):
+        trial.key_positions(object())

@@ -99,6 +99,43 @@ class Trial:
     key_digits: int
     n_keys: int
 
+    def key_positions(self, tokenizer: Any) -> list[range]:
+        """Where the asked key sits in :attr:`input_ids`: one ``range`` of token positions per
+        occurrence (the single-key needle states it twice), in order.
+
+        A token counts when its decoded text, leading spaces removed, continues the key, so a
+        key split into one token per digit (SmolLM2, Gemma) or into several digits per token is
+        found alike.
+
+        Raises:
+            ValueError: the key is not a run of whole tokens anywhere in the prompt (a tokenizer
+                that merged it with its neighbours).
+        """
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer must have a decode method (got {type(tokenizer).__name__})")
+        pieces = [tokenizer.decode([int(i)]) for i in self.input_ids[0]]
+        spans = []
+        for start, piece in enumerate(pieces):
+            text = piece.lstrip()
+            if not text or not self.answer.startswith(text):
+                continue
+            end = start + 1
+            while (
+                len(text) < len(self.answer)
+                and end < len(pieces)
+                and self.answer.startswith(text + pieces[end])
+            ):
+                text += pieces[end]
+                end += 1
+            if text == self.answer and not (spans and start < spans[-1].stop):
+                spans.append(range(start, end))
+        if not spans:
+            raise ValueError(
+                f"the key {self.answer!r} is not a run of whole tokens in the prompt: this "
+                "tokenizer merges it with the text around it"
+            )
+        return spans
+
 
 def _check_depth(depth: Any) -> float:
     depth = check_number(depth, "depth")

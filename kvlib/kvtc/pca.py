@@ -482,8 +482,9 @@ def fit_basis(
     there are fewer) is held out. The components come from the covariance of the others; the
     component variances, the residual variance and the quantizer's distortion table are then
     *measured on the held-out sequences*. Variances taken from the same tokens that chose the
-    components are biased low in the tail (with fewer tokens than features, the tail is
-    exactly zero), which made the predicted error too optimistic.
+    components are optimistic: the leading components are biased high (they were chosen to
+    catch the most variance of those very tokens) and the tail low (with fewer tokens than
+    features, exactly zero), which made the predicted error too small.
 
     Args:
         layers: per layer ``(keys, values)``, ``(batch, kv_heads, seq_len, head_dim)`` with
