@@ -73,9 +73,10 @@ def parse_memory(text: str) -> float:
     80.0, 13.5.
 
     A bare number is GiB (2³⁰ bytes). A ``GB`` suffix is read as GiB too, as memory is labelled:
-    an "80 GB" H100 or A100 holds 80 GiB (81,920 MiB in nvidia-smi), a "16 GB" RAM module 16 GiB;
-    nvidia-smi, ``torch.cuda.mem_get_info`` and vLLM all count in binary units. 0 is accepted
-    (it gives an impossible plan).
+    an "80 GB" A100 holds 80 GiB (81,920 MiB in nvidia-smi), a "16 GB" RAM module 16 GiB;
+    nvidia-smi, ``torch.cuda.mem_get_info`` and vLLM all count in binary units. For a GPU, give
+    what nvidia-smi reports, which can be less than its label (an H100 80GB 79.6 GiB, a T4
+    15 GiB: ``--gpu`` looks these up). 0 is accepted (it gives an impossible plan).
 
     Raises:
         ValueError: not a number with an optional ``GiB``/``GB``/``G`` suffix, negative, or not
@@ -117,7 +118,8 @@ def _gpu_key(name: str) -> str:
 
 
 def gpu_memory_gib(name: str) -> float:
-    """Memory in GiB of a GPU in :data:`kvlib.memory.GPUS`, by name: ``"h100"`` → 80.0."""
+    """Memory in GiB of a GPU in :data:`kvlib.memory.GPUS`, by name, as its driver reports it:
+    ``"h100"`` → 79.65 (81,559 MiB), ``"t4"`` → 15.0."""
     table = {_gpu_key(k): v for k, v in memory.GPUS.items()}
     key = _gpu_key(name)
     if key not in table:  # "A100" alone: the first entry that starts with it
@@ -169,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="recommend a KV-cache setting and engine flags",
         description="Recommend the KV-cache setting for a model, memory, context and load, with "
         "transformers / vLLM / llama.cpp settings (rules: kvlib.plan.rule's docstring). Memory "
-        "is in GiB, as GPUs are labelled: --gpu-memory 80 and 80GB both mean 80 GiB. A request "
+        "is in GiB: --gpu-memory 80 and 80GB both mean 80 GiB; give what nvidia-smi reports "
+        "(--gpu looks it up: an H100 80GB reports 79.6 GiB, a T4 15 GiB). A request "
         "that does not fit gets 'would fit:' lines; one says whether token eviction would hold "
         "it, with its measured cost (never chosen as the setting: it drops tokens).",
     )
@@ -181,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help="GiB per GPU, or of RAM with --device cpu (24, 80GB and 80GiB are all GiB)",
     )
-    where.add_argument("--gpu", help=f"a GPU by name: {', '.join(memory.GPUS)}")
+    where.add_argument(
+        "--gpu",
+        help=f"a GPU by name, at the memory its driver reports: {', '.join(memory.GPUS)}",
+    )
     pl.add_argument("--context", required=True, type=_size, help="tokens per sequence, e.g. 32k")
     pl.add_argument("--concurrency", type=_positive_int, default=1, help="sequences at once")
     pl.add_argument(

@@ -23,8 +23,9 @@ added: ``group_meta_bits=32`` per group. Formats that keep a scale alone pass
 layout (packed blocks, per-channel key and per-token value metadata, full-precision sinks and
 window, sliding layers at their window), which the cache's ``nbytes()`` meets byte for byte.
 
-GPU memory is counted in GiB (2³⁰ bytes), the unit nvidia-smi, ``torch.cuda.mem_get_info`` and
-vLLM report and the one an "80 GB" HBM card means: see :data:`GPUS`.
+GPU memory is counted in GiB (2³⁰ bytes), the unit nvidia-smi (in MiB), ``torch.cuda.mem_get_info``
+and vLLM report, and each card at the total its driver reports, a little under the size in its
+name: see :data:`GPUS`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from kvlib.validate import PRICED_BITS, check_bits, check_int, check_number
 __all__ = [
     "GIB",
     "GPUS",
+    "GPU_NAMED_GIB",
+    "MIB",
     "UNBOUNDED",
     "human_bytes",
     "kv_bytes_per_token",
@@ -52,6 +55,8 @@ __all__ = [
 
 #: Bytes in one GiB (2³⁰): kvlib's unit of GPU memory.
 GIB: int = 2**30
+#: Bytes in one MiB (2²⁰): nvidia-smi's unit.
+MIB: int = 2**20
 
 #: Returned by :func:`max_context` when memory puts no limit on the context (every layer is
 #: sliding-window and the full windows fit).
@@ -493,21 +498,37 @@ def vllm_kv_capacity_tokens(
 
 # -- GPUs and formatting --------------------------------------------------------------------
 
-#: Memory of common accelerators in bytes, counted in GiB (2³⁰ bytes): an "80 GB" card holds
-#: ``80 * GIB`` bytes. This is the unit nvidia-smi (MiB), ``torch.cuda.mem_get_info`` and vLLM
-#: report, and what an HBM card's "80 GB" means (an A100 80GB reports 81920 MiB = 80 GiB). The
-#: usable amount is a little lower (an H100 80GB reports 79.6 GiB, a T4 15 GiB): keep a margin
-#: with ``utilization`` / ``overhead_bytes``.
+#: Memory of common accelerators in bytes, as the driver reports it: the total that nvidia-smi
+#: shows (in MiB) and ``torch.cuda.mem_get_info`` returns, which is what vLLM's
+#: ``gpu_memory_utilization`` multiplies. It is less than the card's name says: with ECC on (as
+#: on Colab and the clouds) a T4's 16 GiB of GDDR6 reports 15,360 MiB = 15 GiB, an L4 or A10G
+#: 22.5 GiB, an "80 GB" H100 79.6 GiB; an A100 80GB reports exactly 80 GiB. Figures from
+#: nvidia-smi on each card (for most, the list in modal-labs/modal-client pull request 2797).
+#: What a card has free is lower still (the CUDA context, other processes): keep a margin with
+#: ``utilization`` / ``overhead_bytes``. :data:`GPU_NAMED_GIB` holds the size in the name.
 GPUS: dict[str, int] = {
-    "T4": 16 * GIB,  # NVIDIA T4, 16 GB GDDR6
-    "L4": 24 * GIB,  # NVIDIA L4, 24 GB GDDR6
-    "RTX 4090": 24 * GIB,  # GeForce RTX 4090, 24 GB GDDR6X
-    "A10G": 24 * GIB,  # NVIDIA A10G (AWS g5), 24 GB
-    "L40S": 48 * GIB,  # NVIDIA L40S, 48 GB
-    "A100 40GB": 40 * GIB,  # NVIDIA A100 40 GB HBM2
-    "A100 80GB": 80 * GIB,  # NVIDIA A100 80 GB HBM2e
-    "H100 80GB": 80 * GIB,  # NVIDIA H100 SXM/PCIe, 80 GB HBM3
-    "H200": 141 * GIB,  # NVIDIA H200, 141 GB HBM3e
+    "T4": 15_360 * MIB,  # NVIDIA T4, 16 GB GDDR6, ECC on
+    "L4": 23_034 * MIB,  # NVIDIA L4, 24 GB GDDR6
+    "RTX 4090": 24_564 * MIB,  # GeForce RTX 4090, 24 GB GDDR6X
+    "A10G": 23_028 * MIB,  # NVIDIA A10G (AWS g5), 24 GB GDDR6
+    "L40S": 46_068 * MIB,  # NVIDIA L40S, 48 GB GDDR6
+    "A100 40GB": 40_960 * MIB,  # NVIDIA A100 40 GB HBM2
+    "A100 80GB": 81_920 * MIB,  # NVIDIA A100 80 GB HBM2e
+    "H100 80GB": 81_559 * MIB,  # NVIDIA H100 SXM/PCIe, 80 GB HBM3
+    "H200": 143_771 * MIB,  # NVIDIA H200, 141 GB HBM3e
+}
+
+#: The memory each card of :data:`GPUS` is named and sold with, in GiB (``"T4": 16``).
+GPU_NAMED_GIB: dict[str, int] = {
+    "T4": 16,
+    "L4": 24,
+    "RTX 4090": 24,
+    "A10G": 24,
+    "L40S": 48,
+    "A100 40GB": 40,
+    "A100 80GB": 80,
+    "H100 80GB": 80,
+    "H200": 141,
 }
 
 

@@ -31,11 +31,12 @@ def test_parse_memory_is_gib_with_or_without_gb():
 
 
 def test_gpu_names_and_gpu_memory_give_the_same_gib(capsys):
-    assert gpu_memory_gib("H100") == gpu_memory_gib("h100 80gb") == 80.0
-    assert gpu_memory_gib("rtx_4090") == 24.0
+    # as the driver reports: nvidia-smi's MiB over 1024
+    assert gpu_memory_gib("H100") == gpu_memory_gib("h100 80gb") == 81_559 / 1024
+    assert gpu_memory_gib("rtx_4090") == 24_564 / 1024 and gpu_memory_gib("T4") == 15.0
     argv = ["plan", "--model", "llama-3.1-8b", "--context", "32k", "--concurrency", "4", "--json"]
     outs = []
-    for where in (["--gpu", "H100"], ["--gpu-memory", "80"], ["--gpu-memory", "80GB"]):
+    for where in (["--gpu", "A100 80GB"], ["--gpu-memory", "80"], ["--gpu-memory", "80GB"]):
         assert main([*argv, *where]) == 0
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0] == outs[1] == outs[2]

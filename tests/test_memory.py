@@ -311,23 +311,31 @@ def test_fits_is_monotone(name, memory, extra, seq_len, bits):
 # -- GPUs and formatting ---------------------------------------------------------------------
 
 
-def test_gpus_are_counted_in_gib():
-    """One unit for GPU memory: a card sold as "N GB" holds N GiB (as nvidia-smi reports)."""
+def test_gpus_are_counted_as_their_driver_reports():
+    """One unit for GPU memory (GiB), each card at the total nvidia-smi reports in MiB: a little
+    under the size in its name (ECC on a T4), never over it, and never more than 6.5 % under."""
+    from kvlib.memory import GPU_NAMED_GIB, MIB
+
+    assert set(GPUS) == set(GPU_NAMED_GIB)
     for name, nbytes in GPUS.items():
-        assert nbytes % GIB == 0, name
+        assert nbytes % MIB == 0, name
+        named = GPU_NAMED_GIB[name] * GIB
+        assert 0.935 * named <= nbytes <= named, name
         label = re.search(r"(\d+)GB", name)
         if label:
-            assert nbytes == int(label.group(1)) * GIB, name
-    assert GIB == 1024**3 and human_bytes(GPUS["H100 80GB"]) == "80 GiB"
+            assert int(label.group(1)) == GPU_NAMED_GIB[name], name
+    assert GIB == 1024**3 and MIB == 1024**2
+    assert GPUS["T4"] == 15 * GIB and GPUS["A100 80GB"] == 80 * GIB  # ECC's 1/16 on a T4
+    assert human_bytes(GPUS["H100 80GB"]) == "79.6 GiB" and GPUS["H100 80GB"] == 81_559 * MIB
 
 
 def test_what_fits_on_an_80_gib_card():
-    """Notebook 01's example: Llama-3.1-8B, fp16 weights and cache, 90 % of an H100."""
+    """Notebook 01's example: Llama-3.1-8B, fp16 weights and cache, 90 % of an H100 (79.65 GiB)."""
     llama8, h100 = get_spec("llama-3.1-8b"), GPUS["H100 80GB"]
     budget = int(0.9 * h100) - llama8.weights_bytes()
     per_seq = kv_cache_bytes(llama8, 8192)  # 1 GiB per 8k-token sequence
     assert per_seq == GIB
-    assert max_batch(llama8, h100, 8192, utilization=0.9) == budget // per_seq == 57
+    assert max_batch(llama8, h100, 8192, utilization=0.9) == budget // per_seq == 56
     assert max_batch(llama8, h100, 8192, bits=4, utilization=0.9) == budget // (per_seq // 4)
 
 

@@ -14,9 +14,10 @@ Three modules do the work, and this one checks the request and puts their answer
 * :mod:`kvlib.plan.text` says why, what to watch and what would fit, citing results;
 * :mod:`kvlib.plan.settings` spells the decision for transformers, vLLM and llama.cpp.
 
-**Units.** GPU memory is given in GiB (2³⁰ bytes) as GPUs are labelled: an "80 GB" H100 holds
-80 GiB, a "24 GB" RTX 4090 24 GiB (the driver reports 24,564 MiB). The argument keeps its
-historical name ``gpu_memory_gb``.
+**Units.** GPU memory is given in GiB (2³⁰ bytes), at what the card's driver reports (nvidia-smi,
+``torch.cuda.mem_get_info``: the total vLLM's ``gpu_memory_utilization`` multiplies): an "80 GB"
+H100 reports 79.6 GiB, a T4 15 GiB, a "24 GB" RTX 4090 24,564 MiB (:data:`kvlib.memory.GPUS`).
+The argument keeps its historical name ``gpu_memory_gb``.
 
 **Measurements.** Reasons cite the measured perplexity cost and byte ratio of the chosen setting —
 ``recommend(..., results=path_or_dict)``, else the file named by ``$KVLIB_RESULTS``,
@@ -174,9 +175,9 @@ def recommend(
         model: a registry name (``"llama-3.1-8b"``), a :class:`kvlib.specs.ModelSpec`, a
             transformers config (give it a parameter count: ``spec_from_config(config,
             num_params=...)``), or a loaded transformers model (its parameters are counted).
-        gpu_memory_gb: memory of one GPU (or of RAM for ``device="cpu"``) in GiB, as labelled:
-            GPU labels are binary (an "80 GB" H100 holds 80 GiB). 0 gives an ``"impossible"``
-            plan.
+        gpu_memory_gb: memory of one GPU (or of RAM for ``device="cpu"``) in GiB, as the
+            driver reports it (an "80 GB" H100 79.6 GiB: :data:`kvlib.memory.GPUS`). 0 gives an
+            ``"impossible"`` plan.
         context_len: tokens per sequence (prompt + output) the cache must hold, >= 1.
         concurrency: sequences decoding at the same time, >= 1.
         quality: ``"max"`` (fp16 only), ``"balanced"`` (down to int4), ``"aggressive"`` (int2).

@@ -599,8 +599,8 @@ class Decision:
     ``max_concurrency``) or ``"impossible"`` (not one sequence fits; ``kv`` is None). Byte
     figures are per device (per GPU under tensor parallelism); ``max_*`` figures are at the
     chosen setting (at the lowest allowed one for ``kv_bytes_per_sequence`` when none is chosen),
-    ``*_fp16`` at fp16 for comparison. ``gpu_memory_gb`` is in GiB, as GPUs are labelled (an
-    "80 GB" H100 holds 80 GiB). ``kv`` is the level, ``kv_type`` the engine's own type at that
+    ``*_fp16`` at fp16 for comparison. ``gpu_memory_gb`` is in GiB, as the driver reports it (an
+    "80 GB" H100 79.6 GiB). ``kv`` is the level, ``kv_type`` the engine's own type at that
     level (``"fp8"`` on vLLM, ``"q4_0"`` on llama.cpp, ``"kvlib-int4"`` on transformers); every
     count is at that type's bytes. ``sequences_by_setting``: sequences each level the engine runs
     fits at the full context. ``options``: the same rule for every engine

@@ -700,7 +700,7 @@ def summary(
     reasons, watch-outs and suggestions given."""
     h = memory.human_bytes
     lines = [
-        f"{d.model} on {d.num_gpus} × {d.gpu_memory_gb:g} GiB {d.device.upper()}"
+        f"{d.model} on {d.num_gpus} × {h(round(d.gpu_memory_gb * memory.GIB))} {d.device.upper()}"
         f", context {d.context_len:,}, {d.concurrency} concurrent, quality "
         f"{d.quality}, {d.weight_bits}-bit weights",
         f"status: {d.status}"
