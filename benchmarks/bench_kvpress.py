@@ -115,7 +115,8 @@ def kvlib_side(model, tok, prompts, ratios, kept_prompts):
     import torch
 
     from kvlib import compat
-    from kvlib.caches.eviction.cache import EvictionCache, capture_queries
+    from kvlib.caches.eviction.cache import capture_queries
+    from kvlib.caches.registry import cache_factory
     from kvlib.eval import retrieval
 
     eos = retrieval._eos_ids(model)
@@ -126,7 +127,11 @@ def kvlib_side(model, tok, prompts, ratios, kept_prompts):
             for ratio in ratios:
                 budget = int(n * (1 - ratio))
                 window = {"window": min(SNAPKV_WINDOW, budget)} if policy == "snapkv" else {}
-                cache = EvictionCache(model.config, policy, budget, **window)
+                # the registry's float cache in the model's dtype (dtype=None), as kvpress keeps it
+                make = cache_factory(
+                    f"evict-{policy}", model.config, budget=budget, dtype=None, **window
+                )
+                cache = make()
                 with capture_queries(model):
                     out = compat.forward(model, trial.input_ids, cache)
                     kept = [layer.positions[0].tolist() for layer in cache.layers]

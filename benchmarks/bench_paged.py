@@ -34,7 +34,8 @@ from _timing import measure
 from tqdm import tqdm
 
 from kvlib import results
-from kvlib.caches.paged import PagedCache, PagedKVCache, paged_attention, parallel_sampling
+from kvlib.caches.paged import PagedKVCache, paged_attention, parallel_sampling
+from kvlib.caches.registry import cache_factory, reference_name
 from kvlib.eval.serving import SMOLLM2_FP16_BYTES_PER_TOKEN, make_trace, simulate_serving
 
 CAPACITY = 2**30  # 1 GiB of KV memory (~46.6k tokens of SmolLM2-135M in fp16)
@@ -186,7 +187,6 @@ def _attention_case(
 
 def bench_generation(new_tokens: int, min_run_time: float) -> dict[str, dict]:
     """Print the generation table; return its rows keyed by cache."""
-    from transformers import DynamicCache
 
     from kvlib import compat
     from kvlib.models import load_model
@@ -200,14 +200,17 @@ def bench_generation(new_tokens: int, min_run_time: float) -> dict[str, dict]:
     ref = compat.generate(
         model,
         ids,
-        cache=DynamicCache(config=model.config),
+        cache=cache_factory(reference_name(model.dtype), model.config)(),
         max_new_tokens=new_tokens,
         do_sample=False,
     )
     rows = []
-    for name, make in (
-        ("DynamicCache", lambda: DynamicCache(config=model.config)),
-        ("PagedCache (block 16)", lambda: PagedCache(model.config, num_blocks=64, block_size=16)),
+    for name, make in (  # the registry's caches, under the row names the results file keeps
+        ("DynamicCache", cache_factory(reference_name(model.dtype), model.config)),
+        (
+            "PagedCache (block 16)",
+            cache_factory("paged", model.config, num_blocks=64, block_size=16),
+        ),
     ):
         out = {}
 

@@ -397,7 +397,7 @@ def _cmd_caches(args: argparse.Namespace) -> tuple[str, Any]:
     infos = [i for i in infos if args.family in (None, i.family)]
     rows = [
         [
-            i.name + ("@<share>" if i.budgeted else ""),
+            i.name + ("@<share>" if i.budgeted else "") + "".join(f" {k}=<n>" for k in i.requires),
             i.family,
             i.bits,
             i.group_size or "-",
@@ -415,6 +415,7 @@ def _cmd_caches(args: argparse.Namespace) -> tuple[str, Any]:
             "residual_tokens": i.residual_tokens,
             "budgeted": i.budgeted,
             "policy": i.policy,
+            "requires": list(i.requires),
             "description": i.description,
         }
         for i in infos

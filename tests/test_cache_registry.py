@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import transformers
 
 from kvlib.caches import layout as cache_layout
 from kvlib.caches import registry as cache_registry
@@ -37,6 +38,9 @@ def test_cache_info_parses_every_name():
             assert info.cache_bits(info.bits) == info.bits
             with pytest.raises(ValueError, match="reference_name"):
                 info.cache_bits(8)
+        elif info.family == "paged":
+            assert info.cache_bits(32) == 32 and info.cache_bits(16) == 16  # the model's dtype
+            assert not info.budgeted and info.group_size is None and info.residual_tokens == 0
         elif info.family == "evict":
             assert info.budgeted and info.policy and name.startswith(f"evict-{info.policy}")
             assert (info.bits, info.group_size is None) == (
@@ -148,3 +152,32 @@ def test_the_cache_benchmark_names_registry_caches():
     finally:
         sys.path.remove(str(bench))
     assert cache_registry.check_names(module.BENCH_CACHES)
+
+
+def test_the_paged_cache_by_name_generates_as_dynamic_cache_does(config):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    make = cache_registry.cache_factory("paged", config, num_blocks=16, block_size=4)
+    first, second = make(), make()
+    assert first is not second and first.block_size == 4 and first.num_blocks == 16
+    with torch.no_grad():
+        paged = model.generate(ids, max_new_tokens=5, do_sample=False, cache=first)
+        dense = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(paged, dense)
+    assert first.store is not None and first.store.allocator.num_used > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({}, "num_blocks"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"num_blocks": 4, "block_size": 0}, "block_size"),
+    ],
+)
+def test_the_paged_cache_refuses_a_missing_or_bad_pool(config, options, match):
+    with pytest.raises(ValueError, match=match):
+        cache_registry.cache_factory("paged", config, **options)
+    with pytest.raises(ValueError, match="takes no budget"):
+        cache_registry.cache_info("paged@1/4")

@@ -108,10 +108,13 @@ def test_caches_lists_the_one_registry(capsys):
     assert main(["caches", "--family", "evict"]) == 0
     text = capsys.readouterr().out
     assert "evict-h2o-int4@<share>" in text and "kvlib-int4" not in text
+    assert [c["requires"] for c in listed if c["family"] == "paged"] == [["num_blocks"]]
+    assert main(["caches", "--family", "paged"]) == 0
+    assert "paged num_blocks=<n>" in capsys.readouterr().out
     config = random_config("smollm2-135m", num_layers=2, vocab_size=512, intermediate_size=256)
     for c in listed:
         name = f"{c['name']}@1/4" if c["budgeted"] else c["name"]
-        options = {"tokens": 64} if c["budgeted"] else {}
+        options = {"tokens": 64} if c["budgeted"] else {k: 8 for k in c["requires"]}
         assert registry.make_cache(name, config, **options).get_seq_length() == 0
 
 

@@ -18,6 +18,9 @@ name                          cache
 ``hqq-int8`` … ``-int2``      the same with the HQQ backend, default axes (0/0)
 ``hqq-int4-axis1``            HQQ with axes 1/1 (HQQ's recommended axis)
 ``hf-fp8``                    transformers' fp8 cache (float8_e4m3fn, one scale per tensor)
+``paged``                     :class:`kvlib.caches.paged.PagedCache` (notebook 06): the model's
+                              dtype in fixed-size blocks of one shared pool; pass
+                              ``num_blocks=`` (and ``block_size=``, default 16)
 ============================  ===============================================================
 
 On a model that mixes sliding-window and global layers (Gemma 2/3), every quantized cache here
@@ -52,6 +55,7 @@ import torch
 
 from kvlib import compat, memory
 from kvlib.caches import layout as cache_layout
+from kvlib.caches import paged
 from kvlib.caches import quantized as kvcache
 from kvlib.caches.eviction import cache as eviction
 from kvlib.caches.sliding import SlidingWindowLayer
@@ -73,8 +77,9 @@ __all__ = [
     "reference_name",
 ]
 
-#: Cache families: who implements the cache, and how (``evict``: kvlib's token eviction).
-FAMILIES: tuple[str, ...] = ("dynamic", "kvlib", "quanto", "hqq", "fp8", "evict")
+#: Cache families: who implements the cache, and how (``evict``: kvlib's token eviction,
+#: ``paged``: kvlib's block-paged pool).
+FAMILIES: tuple[str, ...] = ("dynamic", "kvlib", "quanto", "hqq", "fp8", "evict", "paged")
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "fp32",
@@ -90,7 +95,8 @@ class CacheInfo:
     Attributes:
         name: the registry name (:data:`CACHE_NAMES`).
         family: one of :data:`FAMILIES`.
-        bits: bits per cached code (the dtype's width for the reference DynamicCache).
+        bits: bits per cached code (the dtype's width for the reference DynamicCache; 16 for the
+            paged cache, which holds whatever the model computes: :meth:`cache_bits`).
         group_size: values per scale (and zero point) for the memory prediction: the finer of
             the key and value groups, so the prediction is an upper bound; ``None`` where there
             is no per-group metadata (the reference, fp8's one scale per tensor).
@@ -100,6 +106,8 @@ class CacheInfo:
         options: the constructor options that make this variant (empty for the defaults).
         policy: the eviction policy (:data:`kvlib.caches.eviction.cache.POLICIES`) of an
             ``evict`` cache, else ``None``.
+        requires: options the factory cannot do without (``("num_blocks",)`` for the paged
+            cache's pool); a budgeted cache's budget is not one (it can be in the name).
     """
 
     name: str
@@ -110,6 +118,7 @@ class CacheInfo:
     description: str
     options: Mapping[str, Any] = field(default_factory=dict)
     policy: str | None = None
+    requires: tuple[str, ...] = ()
 
     @property
     def budgeted(self) -> bool:
@@ -121,11 +130,14 @@ class CacheInfo:
         """Bits per cached value when the model computes in ``dtype_bits``-bit floats.
 
         Quantized caches hold their codes whatever the model's dtype; the reference holds the
-        model's dtype, so its name must match it.
+        model's dtype, so its name must match it; the paged cache holds the model's dtype
+        whatever it is.
 
         Raises:
             ValueError: a reference named for another dtype (use :func:`reference_name`).
         """
+        if self.family == "paged":
+            return dtype_bits
         if self.family == "dynamic" and dtype_bits != self.bits:
             raise ValueError(
                 f"{self.name!r} holds {self.bits}-bit values, but the model computes in "
@@ -145,6 +157,12 @@ class CacheInfo:
             return lambda: compat.dynamic_cache(config)
         if self.family == "kvlib":
             return lambda: kvcache.QuantizedKVCache(config, bits=self.bits, **merged)
+        if self.family == "paged":
+            missing = [k for k in self.requires if k not in merged]
+            if missing:
+                raise ValueError(f"{self.name!r} needs {missing[0]}= (the size of its pool)")
+            paged.PagedCache(config, **merged)  # bad options fail here, not at first use
+            return lambda: paged.PagedCache(config, **merged)
         if self.family == "fp8":
             if merged:
                 raise ValueError(f"{self.name!r} takes no options (got {sorted(merged)})")
@@ -377,13 +395,30 @@ def _eviction_factory(
     return lambda: eviction.EvictionCache(config, info.policy, tokens_budget, **merged)
 
 
+_PAGED = CacheInfo(
+    "paged",
+    "paged",
+    16,
+    None,
+    0,
+    "kvlib's PagedCache: the model's dtype in blocks of one shared pool (num_blocks=, "
+    "block_size=16)",
+    requires=("num_blocks",),
+)
+
 _ENTRIES: dict[str, CacheInfo] = {
     e.name: e
-    for e in (*_reference_entries(), *_kvlib_entries(), *_hf_entries(), *_eviction_entries())
+    for e in (
+        *_reference_entries(),
+        *_kvlib_entries(),
+        *_hf_entries(),
+        *_eviction_entries(),
+        _PAGED,
+    )
 }
 
 #: Every cache name, in display order: the references, kvlib's quantized caches, transformers'
-#: own, then the eviction caches (which take a budget: ``evict-h2o-int4@1/4``).
+#: own, the eviction caches (which take a budget: ``evict-h2o-int4@1/4``), the paged cache.
 CACHE_NAMES: tuple[str, ...] = tuple(_ENTRIES)
 
 #: The eviction caches' names: ``evict-<policy>`` (float16) and ``evict-<policy>-int4``.
