@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ from kvlib import results
 from kvlib.caches import registry as cache_registry
 from kvlib.caches.eviction import cache as eviction
 from kvlib.eval import quality, retrieval
+from kvlib.keys import RetrievalColumn
 from kvlib.kvtc import codec as kvtc
 from kvlib.kvtc import pca
 
@@ -142,10 +142,10 @@ def markdown_tables(run: dict) -> str:
     budget, with Wilson 95 % intervals, then every row. Perplexity is the mean cost over the
     run's segments, then each segment's, when it measured more than one."""
     rows, settings = run["rows"], run["settings"]
-    cols = [k for k in next(iter(rows.values())) if re.fullmatch(r"retrieval_(multi_)?\d+", k)]
+    columns = RetrievalColumn.of(next(iter(rows.values())))
+    cols = [str(c) for c in columns]
     segs = settings.get("segments", 1) > 1
-    heads = [c.replace("retrieval_", "retrieval ").replace("_", " @") for c in cols]
-    heads = [h if "@" in h else h.replace("retrieval ", "retrieval @") for h in heads]
+    heads = [f"retrieval {'multi ' if c.multi else ''}@{c.context}" for c in columns]
     ppl_head = "Δ perplexity, mean (%) | per segment (%)" if segs else "Δ perplexity (%)"
 
     def ppl(r: dict) -> str:

@@ -7,7 +7,8 @@ ran at a budget, for that budget as a share of the fp16 cache's bytes: ``"kvlib-
 :meth:`~RowKey.parse` also reads the forms earlier runs and the peers wrote (``"snapkv@0.25"``,
 kvpress's ratio; ``"PCA cross-layer, target 16x"``, transform coding's target), so no reader
 splits a name by hand. :class:`BestKey` is a key of a run's ``best`` group
-(``"1/4 eviction+int4"``: the best row of one family at one budget).
+(``"1/4 eviction+int4"``: the best row of one family at one budget), and
+:class:`RetrievalColumn` a row's retrieval figure (``"retrieval_multi_1024"``).
 
 Torch-free: the planner and the results reader import it.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["BestKey", "RowKey"]
+__all__ = ["BestKey", "RetrievalColumn", "RowKey"]
 
 #: ``"<cache>@<budget>"``: a cache run at a share of the fp16 bytes, as ``1/4`` or ``0.25``.
 _AT_BUDGET = re.compile(r"(?P<cache>[^@]+)@(?P<budget>\d+(?:/\d+|\.\d+)?)")
@@ -132,3 +133,52 @@ class BestKey:
 
     def __str__(self) -> str:
         return f"{self.budget} {self.family}"
+
+
+#: ``"retrieval_<context>"`` / ``"retrieval_multi_<context>"``: a row's retrieval accuracy.
+_RETRIEVAL = re.compile(r"retrieval_(?P<multi>multi_)?(?P<context>[1-9]\d*)")
+
+
+@dataclass(frozen=True)
+class RetrievalColumn:
+    """A retrieval figure of a row (``kvlib.eval.retrieval``): the accuracy at ``context``
+    tokens of the pass-key task, or of its multi-key variant (``multi``). The row keeps it under
+    ``str(column)`` (``"retrieval_1024"``, ``"retrieval_multi_1024"``), with its interval under
+    ``"<column>_ci"`` and its bytes under ``"<column>_fp16_fraction"``."""
+
+    context: int
+    multi: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.context, bool) or not isinstance(self.context, int):
+            raise TypeError(f"context must be an int (got {type(self.context).__name__})")
+        if self.context < 1:
+            raise ValueError(f"context must be >= 1 (got {self.context})")
+        if not isinstance(self.multi, bool):
+            raise TypeError(f"multi must be a bool (got {type(self.multi).__name__})")
+
+    @classmethod
+    def parse(cls, name: str) -> RetrievalColumn:
+        """``"retrieval_multi_1024"`` → ``RetrievalColumn(1024, multi=True)``.
+
+        Raises:
+            TypeError: ``name`` is not a string.
+            ValueError: a name of another form (``"retrieval_1024_ci"`` is the interval of a
+                column, not a column).
+        """
+        _check_key_text(name, "retrieval column")
+        if (m := _RETRIEVAL.fullmatch(name)) is None:
+            raise ValueError(
+                f"retrieval column {name!r}: expected 'retrieval_<tokens>' or "
+                "'retrieval_multi_<tokens>'"
+            )
+        return cls(int(m["context"]), m["multi"] is not None)
+
+    @classmethod
+    def of(cls, row: Any) -> list[RetrievalColumn]:
+        """The retrieval columns of a row (a mapping of figures), in the row's order; the
+        other figures (``"perplexity"``, ``"retrieval_1024_ci"`` …) are not columns."""
+        return [cls.parse(k) for k in row if isinstance(k, str) and _RETRIEVAL.fullmatch(k)]
+
+    def __str__(self) -> str:
+        return f"retrieval_{'multi_' if self.multi else ''}{self.context}"

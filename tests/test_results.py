@@ -397,3 +397,50 @@ def test_rows_refuse_two_names_of_one_key_and_a_best_row_the_run_lacks():
         results.rows({"rows": {}}, "best")
     with pytest.raises(ValueError, match="one reference"):
         results.reference({"rows": {"kvtc@1/4": {}}})
+
+
+@given(st.integers(min_value=1, max_value=10**7), st.booleans())
+def test_retrieval_columns_round_trip(context, multi):
+    from kvlib.keys import RetrievalColumn
+
+    column = RetrievalColumn(context, multi)
+    assert RetrievalColumn.parse(str(column)) == column
+    assert str(column).startswith("retrieval_multi_" if multi else "retrieval_")
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ("retrieval_1024_ci", ValueError),  # a column's interval, not a column
+        ("retrieval_0", ValueError),
+        ("retrieval_multi", ValueError),
+        ("perplexity", ValueError),
+        (" retrieval_1024", ValueError),
+        (1024, TypeError),
+    ],
+)
+def test_retrieval_column_refuses_other_names(bad, error):
+    from kvlib.keys import RetrievalColumn
+
+    with pytest.raises(error):
+        RetrievalColumn.parse(bad)
+
+
+def test_retrieval_columns_of_the_eviction_run_match_its_settings():
+    """The columns a row holds are the contexts the run's settings name, and the multi-key
+    variant at the first of them, in the row's order."""
+    from kvlib.keys import RetrievalColumn
+
+    run = results.run("eviction")
+    contexts = run["settings"]["retrieval_contexts"]
+    for name, row in run["rows"].items():
+        columns = RetrievalColumn.of(row)
+        assert columns == [
+            *(RetrievalColumn(c) for c in contexts),
+            RetrievalColumn(contexts[0], multi=True),
+        ], name
+        assert all(f"{c}_ci" in row for c in columns)
+    with pytest.raises(TypeError):
+        RetrievalColumn(1024.0)
+    with pytest.raises(ValueError):
+        RetrievalColumn(0)

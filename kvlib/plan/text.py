@@ -12,14 +12,13 @@ notebooks print :func:`summary`.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
 from kvlib import memory
 from kvlib import results as kvresults
-from kvlib.keys import BestKey
+from kvlib.keys import BestKey, RetrievalColumn
 from kvlib.plan import engine_support, engines
 from kvlib.plan import rule as plan_rule
 from kvlib.plan.engines import EngineKV
@@ -603,14 +602,14 @@ def _eviction_figures(run: Mapping[str, Any], name: str) -> str:
         parts.append(f"{_fmt_pct(row['perplexity_delta_pct_mean'])} perplexity (mean{on})")
     elif isinstance(row.get("perplexity_delta_pct"), (int, float)):
         parts.append(f"{_fmt_pct(row['perplexity_delta_pct'])} perplexity{on}")
-    for kind, label in (("", "pass-key retrieval"), ("multi_", "multi-key retrieval")):
-        found = [m for m in map(re.compile(rf"retrieval_{kind}(\d+)").fullmatch, row) if m]
+    columns = RetrievalColumn.of(row)
+    for multi, label in ((False, "pass-key retrieval"), (True, "multi-key retrieval")):
         at = []
-        for m in sorted(found, key=lambda m: int(m.group(1))):
-            acc, base = _accuracy(row, m.group(0)), _accuracy(ref, m.group(0), ci=False)
+        for c in sorted((c for c in columns if c.multi == multi), key=lambda c: c.context):
+            acc, base = _accuracy(row, str(c)), _accuracy(ref, str(c), ci=False)
             if acc:
                 vs = f" vs {base} uncompressed" if base else ""
-                at.append(f"{acc}{vs} at {int(m.group(1)):,} tokens")
+                at.append(f"{acc}{vs} at {c.context:,} tokens")
         if at:
             parts.append(f"{label} {', '.join(at)}")
     return ", ".join(parts) or "no figures"
