@@ -60,7 +60,8 @@ from kvlib.caches.quantized import (  # noqa: E402
     default_rotate,
 )
 from kvlib.kernels import decode as kernels  # noqa: E402
-from kvlib.quant.tensor import hadamard, quantize  # noqa: E402
+from kvlib.quant.rotation import hadamard  # noqa: E402
+from kvlib.quant.tensor import quantize  # noqa: E402
 
 NO_GPU = (
     "bench_kernel.py: no CUDA GPU on this machine; the fused kernel is timed on a GPU only "

@@ -16,7 +16,7 @@ from kvlib import compat
 from kvlib.caches.quantized import QuantizedKVCache, QuantizedKVLayer
 from kvlib.eval import quality
 from kvlib.quant.packing import packed_nbytes
-from kvlib.quant.tensor import hadamard
+from kvlib.quant.rotation import hadamard
 
 
 def tiny_config(layers: int = 2, kv_heads: int = 2, head_dim: int = 16) -> LlamaConfig:

@@ -35,7 +35,7 @@ from kvlib.caches.quantized import QuantizedKVCache, QuantizedKVLayer
 from kvlib.kernels import decode as kernels
 from kvlib.kernels import fused_attention
 from kvlib.kernels.decode import PackedKV, decode_attention, decode_attention_reference
-from kvlib.quant.tensor import hadamard
+from kvlib.quant.rotation import hadamard
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL32 = 1e-5

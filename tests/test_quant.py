@@ -11,7 +11,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvlib.quant.tensor import QuantizedTensor, hadamard, quantize
+from kvlib.quant.rotation import hadamard
+from kvlib.quant.tensor import QuantizedTensor, quantize
 
 BITS = (2, 3, 4, 8)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.quant.recipes import KVRecipe, quantize_kv
-from kvlib.quant.tensor import hadamard, quantize
+from kvlib.quant.rotation import hadamard
+from kvlib.quant.tensor import quantize
 
 
 def _kv(seq=100, dtype=torch.float32, seed=0):

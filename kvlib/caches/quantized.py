@@ -99,7 +99,8 @@ from kvlib.caches.sliding import SlidingWindowLayer
 from kvlib.kernels import fused_attention
 from kvlib.kernels.decode import PackedKV, interpreter_mode, triton_available
 from kvlib.kernels.fused_attention import FusedStep
-from kvlib.quant.tensor import QuantizedTensor, hadamard, quantize
+from kvlib.quant.rotation import hadamard, rotate, unrotate
+from kvlib.quant.tensor import QuantizedTensor, quantize
 from kvlib.specs import kv_geometry
 from kvlib.validate import check_bits, check_int
 
@@ -293,7 +294,7 @@ class QuantizedKVLayer(BatchRows, CacheLayerMixin):
             kb = k[:, :, i * r : (i + 1) * r].unsqueeze(0)  # (1, b, h, r, d)
             vb = v[:, :, i * r : (i + 1) * r].unsqueeze(0)
             if self.rotation is not None:  # keys only (see the module docstring)
-                kb = kb.float() @ self.rotation.to(device=kb.device)
+                kb = rotate(kb, self.rotation)
             qk = quantize(kb.contiguous(), self.key_bits, axis=3, group_size=self.key_group_size)
             qv = quantize(vb.contiguous(), self.value_bits, axis=4, group_size=self.group_size)
             # rows (block, batch, head): appended and batch-selected without unpacking
@@ -331,7 +332,7 @@ class QuantizedKVLayer(BatchRows, CacheLayerMixin):
             block_major = q.dequantize_into(
                 torch.empty(q.shape, dtype=dst.dtype, device=dst.device)
             )
-            back = block_major @ self.rotation.T.to(device=dst.device, dtype=dst.dtype)
+            back = unrotate(block_major, self.rotation)
             dst.view(b, h, n, r, d).copy_(back.permute(1, 2, 0, 3, 4))
         else:  # write straight into the output, seen block-major
             q.dequantize_into(dst.view(b, h, n, r, d).permute(2, 0, 1, 3, 4))

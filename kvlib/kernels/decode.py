@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvlib.quant.rotation import unrotate
 from kvlib.quant.tensor import QuantizedTensor
 from kvlib.validate import check_int
 
@@ -211,7 +212,7 @@ class PackedKV:
             n, b, h, r, d = self.key_blocks.shape
             kb = self.key_blocks.dequantize(dtype)  # (n, b, h, R, d), block-major
             if self.rotation is not None:
-                kb = kb @ self.rotation.T.to(device=kb.device, dtype=dtype)
+                kb = unrotate(kb, self.rotation)
             vb = self.value_blocks.dequantize(dtype)
             parts_k.append(kb.permute(1, 2, 0, 3, 4).reshape(b, h, n * r, d))
             parts_v.append(vb.permute(1, 2, 0, 3, 4).reshape(b, h, n * r, d))

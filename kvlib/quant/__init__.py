@@ -4,7 +4,11 @@
 module        what it holds                                                   notebook
 ============  ==============================================================  ==========
 ``packing``   bit-packing integer codes into bytes                            03
-``tensor``    int8/4/3/2 group quantization (``QuantizedTensor``), Hadamard   02, 03
+``tensor``    int8/4/3/2 group quantization (``QuantizedTensor``)             02, 03
+``rotation``  orthonormal rotations of head_dim: Hadamard, Haar-random,      03, 05
+              randomized Hadamard; the one ``rotate``/``unrotate`` pair
+``codebook``  Lloyd-Max codebooks for a known distribution (Gaussian, a       05
+              coordinate of a random unit vector)
 ``recipes``   KV quantization recipes (KIVI layout, rotation, windows)        02, 03
 ============  ==============================================================  ==========
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["packing", "recipes", "tensor"]
+__all__ = ["codebook", "packing", "recipes", "rotation", "tensor"]
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.quant.tensor import StorageCost, hadamard, quantize
+from kvlib.quant.rotation import hadamard, rotate, unrotate
+from kvlib.quant.tensor import StorageCost, quantize
 from kvlib.validate import CODE_BITS, check_bits
 
 __all__ = ["KVRecipe", "QuantizedKV", "quantize_kv"]
@@ -131,7 +132,7 @@ def _quantize_window(
 ) -> tuple[torch.Tensor, int]:
     """Quantize + dequantize ``x`` (b, h, n, d) per the recipe; (reconstruction, bytes)."""
     h = hadamard(x.shape[-1], dtype=torch.float32, device=x.device) if recipe.rotate else None
-    work = x.float() @ h if h is not None else x
+    work = rotate(x, h) if h is not None else x
     if axis is None:
         q = quantize(work.reshape(-1), recipe.bits, axis=0, symmetric=recipe.symmetric)
     else:
@@ -140,7 +141,7 @@ def _quantize_window(
         )
     y = q.dequantize(torch.float32 if h is not None else None).view(x.shape)
     if h is not None:
-        y = (y @ h.T).to(x.dtype)
+        y = unrotate(y, h).to(x.dtype)
     return y, q.nbytes
 
 

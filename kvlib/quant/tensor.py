@@ -30,8 +30,7 @@ quantization step of ``x`` (the step of its group, at most ``1 + 2**-6`` times t
 reconstruct exactly. Codes are computed with the stored (rounded) scale, which is what makes the
 bound hold.
 
-:func:`hadamard` is the orthonormal rotation applied along head_dim before quantizing, by
-:mod:`kvlib.quant.recipes` and :mod:`kvlib.caches.quantized`.
+:mod:`kvlib.quant.rotation` holds the rotations applied along head_dim before quantizing.
 """
 
 from __future__ import annotations
@@ -42,12 +41,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvlib.quant.packing import pack_uint8, packed_nbytes, unpack
-from kvlib.validate import check_bits, check_int
+from kvlib.validate import check_bits
 
 __all__ = [
     "QuantizedTensor",
     "StorageCost",
-    "hadamard",
     "quantize",
 ]
 
@@ -474,25 +472,3 @@ def _symmetric_scale(mn, mx, bits, work, scale_dtype):
         if bool(ok.all()):
             return a16
     return amax
-
-
-# ---------------------------------------------------------------- rotation
-
-
-def hadamard(
-    n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Orthonormal ``(n, n)`` Hadamard matrix (Sylvester construction), ``H @ H.T == I``.
-
-    Rotating head_dim with it (``x @ H``) before quantizing spreads an outlier channel over all
-    channels; ``x_hat @ H.T`` rotates back. ``n`` must be a power of two.
-    """
-    n = check_int(n, "n")
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"n must be a power of two (got {n})")
-    if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point dtype (got {dtype})")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).to(dtype=dtype, device=device)

@@ -66,7 +66,8 @@ from kvlib.caches.eviction.streaming import StreamingLLM
 from kvlib.caches.eviction.tova import TOVA
 from kvlib.caches.quantized import default_group_size
 from kvlib.caches.sliding import SlidingWindowLayer
-from kvlib.quant.tensor import QuantizedTensor, hadamard, quantize
+from kvlib.quant.rotation import hadamard, rotate, unrotate
+from kvlib.quant.tensor import QuantizedTensor, quantize
 from kvlib.specs import kv_geometry
 from kvlib.validate import check_bits, check_int
 
@@ -245,9 +246,9 @@ class EvictionLayer(BatchRows, CacheLayerMixin):
         """Tokens kept per KV head."""
         return 0 if self.positions is None else self.positions.shape[2]
 
-    def _quantize(self, x: torch.Tensor, rotate: bool) -> QuantizedTensor:
-        if rotate and self.rotation is not None:
-            x = x.float() @ self.rotation.to(x.device)
+    def _quantize(self, x: torch.Tensor, keys: bool) -> QuantizedTensor:
+        if keys and self.rotation is not None:
+            x = rotate(x, self.rotation)
         q = quantize(x.contiguous(), self.bits, axis=3, group_size=self.group_size)
         return q.with_rows(3)
 
@@ -266,7 +267,7 @@ class EvictionLayer(BatchRows, CacheLayerMixin):
         if self.qkeys is not None and self.qkeys.shape[2]:
             k = self.qkeys.dequantize(torch.float32)
             if self.rotation is not None:
-                k = k @ self.rotation.T.to(k.device)
+                k = unrotate(k, self.rotation)
             keys.append(k.to(self.model_dtype))
             values.append(self.qvalues.dequantize(self.model_dtype))
         if self.rkeys is not None:
@@ -291,7 +292,7 @@ class EvictionLayer(BatchRows, CacheLayerMixin):
             self.rkeys, self.rvalues = k[:, :, out:].contiguous(), v[:, :, out:].contiguous()
             k, v = k[:, :, :out], v[:, :, :out]
         if k.shape[2]:
-            qk, qv = self._quantize(k, True), self._quantize(v, False)
+            qk, qv = self._quantize(k, keys=True), self._quantize(v, keys=False)
             self.qkeys = qk if self.qkeys is None else self.qkeys.cat(qk, dim=2)
             self.qvalues = qv if self.qvalues is None else self.qvalues.cat(qv, dim=2)
 
