@@ -11,12 +11,18 @@ from kvlib.caches.base import check_states, row_indices
 from kvlib.caches.eviction.cache import EvictionLayer
 from kvlib.caches.quantized import QuantizedKVLayer
 from kvlib.caches.sliding import SlidingWindowLayer
+from kvlib.caches.turboquant import TurboQuantLayer
+from kvlib.quant.turboquant import TurboQuantizer
 
 LAYERS = {
     "quantized": lambda: QuantizedKVLayer(4, 4, group_size=16, residual_length=16, sink_tokens=2),
     "eviction": lambda: EvictionLayer("knorm", 24),
     "eviction-int4": lambda: EvictionLayer("knorm", 24, bits=4, group_size=16),
     "sliding": lambda: SlidingWindowLayer(20),
+    "turboquant": lambda: TurboQuantLayer(TurboQuantizer(32, 3, 3)),
+    "turboquant-window": lambda: TurboQuantLayer(
+        TurboQuantizer(32, 2, 4), sink_tokens=2, residual_length=16, center_keys=True
+    ),
 }
 
 

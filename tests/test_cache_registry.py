@@ -12,6 +12,7 @@ import transformers
 from kvlib.caches import layout as cache_layout
 from kvlib.caches import registry as cache_registry
 from kvlib.eval.model_choice import random_config
+from kvlib.quant import turboquant as tq
 
 REFERENCES = {
     "dynamic-fp32": torch.float32,
@@ -41,6 +42,19 @@ def test_cache_info_parses_every_name():
         elif info.family == "paged":
             assert info.cache_bits(32) == 32 and info.cache_bits(16) == 16  # the model's dtype
             assert not info.budgeted and info.group_size is None and info.residual_tokens == 0
+        elif info.family == "turboquant":
+            kb, vb = info.options["key_bits"], info.options["value_bits"]
+            assert info.bits == max(kb, vb) == info.cache_bits(32) and info.group_size
+            if name.endswith("-centered"):
+                assert (
+                    info.residual_tokens
+                    == info.options["residual_length"] + info.options["sink_tokens"]
+                    > 0
+                    and f"-{kb}bit-" in name
+                )
+            else:  # vLLM's dtype names, round trip
+                assert tq.VLLM_PRESETS[name.replace("-", "_")] == (kb, vb)
+                assert info.residual_tokens == 0
         elif info.family == "evict":
             assert info.budgeted and info.policy and name.startswith(f"evict-{info.policy}")
             assert (info.bits, info.group_size is None) == (

@@ -18,6 +18,11 @@ name                          cache
 ``hqq-int8`` … ``-int2``      the same with the HQQ backend, default axes (0/0)
 ``hqq-int4-axis1``            HQQ with axes 1/1 (HQQ's recommended axis)
 ``hf-fp8``                    transformers' fp8 cache (float8_e4m3fn, one scale per tensor)
+``turboquant-4bit-nc`` …      :class:`kvlib.caches.turboquant.TurboQuantCache` as vLLM 0.32 runs
+                              its ``--kv-cache-dtype turboquant_*`` options (``-k8v4``,
+                              ``-4bit-nc``, ``-k3v4-nc``, ``-3bit-nc``)
+``turboquant-4bit-centered``  the same codec in kvlib's layout (sinks, a float16 window, keys
+… ``-2bit-centered``          centred per block)
 ``paged``                     :class:`kvlib.caches.paged.PagedCache` (notebook 06): the model's
                               dtype in fixed-size blocks of one shared pool; pass
                               ``num_blocks=`` (and ``block_size=``, default 16)
@@ -55,11 +60,12 @@ import torch
 
 from kvlib import compat, memory
 from kvlib.caches import layout as cache_layout
-from kvlib.caches import paged
+from kvlib.caches import paged, turboquant
 from kvlib.caches import quantized as kvcache
 from kvlib.caches.eviction import cache as eviction
 from kvlib.caches.sliding import SlidingWindowLayer
 from kvlib.keys import RowKey
+from kvlib.quant import turboquant as tq
 from kvlib.specs import spec_from_config
 from kvlib.validate import check_int
 
@@ -79,7 +85,16 @@ __all__ = [
 
 #: Cache families: who implements the cache, and how (``evict``: kvlib's token eviction,
 #: ``paged``: kvlib's block-paged pool).
-FAMILIES: tuple[str, ...] = ("dynamic", "kvlib", "quanto", "hqq", "fp8", "evict", "paged")
+FAMILIES: tuple[str, ...] = (
+    "dynamic",
+    "kvlib",
+    "quanto",
+    "hqq",
+    "fp8",
+    "turboquant",
+    "evict",
+    "paged",
+)
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "fp32",
@@ -163,6 +178,9 @@ class CacheInfo:
                 raise ValueError(f"{self.name!r} needs {missing[0]}= (the size of its pool)")
             paged.PagedCache(config, **merged)  # bad options fail here, not at first use
             return lambda: paged.PagedCache(config, **merged)
+        if self.family == "turboquant":
+            turboquant.TurboQuantCache(config, **merged)  # bad options fail here, not at first use
+            return lambda: turboquant.TurboQuantCache(config, **merged)
         if self.family == "fp8":
             if merged:
                 raise ValueError(f"{self.name!r} takes no options (got {sorted(merged)})")
@@ -312,6 +330,58 @@ def _reference_entries() -> list[CacheInfo]:
     ]
 
 
+#: The memory prediction's group for TurboQuant: its per-vector metadata (a key's norm, a
+#: value's scale and zero point) counted as one fp16 scale and zero point per 64 values, an upper
+#: bound for any head_dim of 64 or more (the ``bits`` are the wider of keys and values).
+_TQ_GROUP = 64
+
+
+def _turboquant_entries() -> list[CacheInfo]:
+    """vLLM 0.32's four TurboQuant dtypes as it runs them, and kvlib's layout of the same
+    codec (4 sinks and a 128-token window in float16, block-centred keys)."""
+    out = []
+    for dtype, (key_bits, value_bits) in tq.VLLM_PRESETS.items():
+        keys = "float8 keys" if key_bits == 8 else f"{key_bits}-bit codebook keys"
+        out.append(
+            CacheInfo(
+                dtype.replace("_", "-"),
+                "turboquant",
+                max(key_bits, value_bits),
+                _TQ_GROUP,
+                0,
+                f"vLLM's {dtype}: {keys}, {value_bits}-bit per-token values, every token "
+                f"encoded on arrival, first and last {turboquant.BOUNDARY_LAYERS} layers of a "
+                "dense model in the model's dtype",
+                MappingProxyType({"key_bits": key_bits, "value_bits": value_bits}),
+            )
+        )
+    init = kvcache.QuantizedKVCache.__init__
+    residual, sinks = _default(init, "residual_length"), _default(init, "sink_tokens")
+    for bits in (4, 3, 2):
+        options = {
+            "key_bits": bits,
+            "value_bits": bits,
+            "boundary_layers": 0,
+            "sink_tokens": sinks,
+            "residual_length": residual,
+            "center_keys": True,
+        }
+        out.append(
+            CacheInfo(
+                f"turboquant-{bits}bit-centered",
+                "turboquant",
+                bits,
+                _TQ_GROUP,
+                residual + sinks,
+                f"TurboQuant {bits}-bit keys and values in kvlib's layout: {sinks} sinks and a "
+                f"{residual}-token window in float16, keys centred per {residual}-token block, "
+                "every layer quantized",
+                MappingProxyType(options),
+            )
+        )
+    return out
+
+
 # ---------------------------------------------------------------------- token eviction
 
 
@@ -412,6 +482,7 @@ _ENTRIES: dict[str, CacheInfo] = {
         *_reference_entries(),
         *_kvlib_entries(),
         *_hf_entries(),
+        *_turboquant_entries(),
         *_eviction_entries(),
         _PAGED,
     )
