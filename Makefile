@@ -16,7 +16,7 @@ NBVAL_PATH_2 ?= ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1
 PORTABLE_PATHS ?= "$(NBVAL_PATH_2)" "OMP_NUM_THREADS=2 MKL_CBWR=COMPATIBLE" \
 	$(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo y),"ATEN_CPU_CAPABILITY=avx512")
 # A cell that runs past this is a stall, not a slow cell: about 3x the slowest cell on the
-# slowest path above (45 s: notebook 05's basis fit under MKL_CBWR=COMPATIBLE). scripts/nb.py
+# slowest path above (45 s: notebook 06's basis fit under MKL_CBWR=COMPATIBLE). scripts/nb.py
 # uses the same limit and names the cell that ran over.
 CELL_TIMEOUT := 150
 NBVAL_OPTS := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) -p no:cacheprovider

@@ -6,7 +6,7 @@ the text, and at 4096 tokens by feeding 4096 random states through every layer: 
 only on shapes), wall time; then decode speed (kvlib int4 vs DynamicCache vs quanto int4).
 Prints Markdown tables with PASS/FAIL for the issue's targets and writes
 run ``"cache"`` of ``kvlib/results.json`` (:mod:`kvlib.results`; read by the planner and notebooks
-04 and 08), rows keyed by :mod:`kvlib.caches.registry` names.
+04 and 09), rows keyed by :mod:`kvlib.caches.registry` names.
 
     .venv/bin/python benchmarks/bench_cache.py           # 2048 tokens, decode 1024 + 128
     .venv/bin/python benchmarks/bench_cache.py --quick   # 1024 tokens, decode 1024 + 64

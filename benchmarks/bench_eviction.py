@@ -8,7 +8,7 @@ For budgets of 1/2, 1/4, 1/8 and 1/16 of the fp16 cache's bytes, one run measure
   given exactly the budget's bytes (``max_bytes``);
 * eviction on int4: ``evict-<policy>-int4`` at the same bytes (about 3.5x the tokens; the newest
   ``INT_RESIDUAL`` in float16);
-* PCA transform coding (``kvtc@1/<k>``, :mod:`kvlib.kvtc.codec`, notebook 05) where it applies:
+* PCA transform coding (``kvtc@1/<k>``, :mod:`kvlib.kvtc.codec`, notebook 06) where it applies:
   storage between turns. The prompt's cache is encoded, stored and decoded, and the answer is
   decoded from it, so it has retrieval rows and no perplexity (it is not a live cache that
   attention reads while decoding); its bytes are the stored bytes.
@@ -103,7 +103,7 @@ def kvtc_restore(codec):
 def kvtc_codec(basis, k: int, tokens: int):
     """A codec whose stored bytes for ``tokens`` tokens aim at 0.95/k of fp16: the fp16
     window's share is paid first, the codes get the rest (entropy coding then lands at
-    0.9-1.0 of their budget, notebook 05)."""
+    0.9-1.0 of their budget, notebook 06)."""
     w = sum(KVTC_WINDOW) / tokens
     compression = (1 - w) / (0.95 / k - w)
     return kvtc.KVTCCodec(

@@ -1,4 +1,4 @@
-"""Fused decode-attention kernel benchmark (kvlib.kernels.decode, notebook 09): needs a CUDA GPU.
+"""Fused decode-attention kernel benchmark (kvlib.kernels.decode, notebook 10): needs a CUDA GPU.
 
     .venv/bin/python benchmarks/bench_kernel.py              # on a GPU (a few minutes)
     .venv/bin/python benchmarks/bench_kernel.py --quick      # shorter timings, fewer contexts

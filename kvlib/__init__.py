@@ -14,24 +14,24 @@ module/package    what it holds                                                 
 ``models``        loading the bundled offline models (or any hub model)               00
 ``specs``         model specs, the published models' registry, KV geometry            01
 ``memory``        KV-cache byte math, what fits in a GPU (GiB)                        01
-``keys``          names with a budget (``evict-h2o@1/4``), parsed once: result rows   08, 10
-``attention``     dense reference attention (causal, GQA, ragged lengths)             02, 06
-``rope``          rotary position embeddings: apply, undo, read from a model          05
-``compat``        one adapter over transformers' cache API                            04, 05
+``keys``          names with a budget (``evict-h2o@1/4``), parsed once: result rows   09, 11
+``attention``     dense reference attention (causal, GQA, ragged lengths)             02, 07
+``rope``          rotary position embeddings: apply, undo, read from a model          06
+``compat``        one adapter over transformers' cache API                            04, 06
 ``plot``          the notebooks' shared plots; ``interactive()`` for widgets          all
 *techniques* (packages)
-``quant``         packing, group quantization (``QuantizedTensor``), recipes          02, 03
-``caches``        the caches on one base layer: quantized, sliding, eviction, paged   04, 06, 10
-``kvtc``          transform coding: PCA, bit allocation, the codec                    05
-``kernels``       a fused Triton decode-attention kernel over packed codes            09
-``eval``          capture, perplexity, retrieval, serving, comparisons, capacity      02–07, 10
+``quant``         packing, group quantization, rotations, codebooks, TurboQuant       02, 03, 05
+``caches``        caches on one base layer: quantized, TurboQuant, eviction, paged    04, 05, 07, 11
+``kvtc``          transform coding: PCA, bit allocation, the codec                    06
+``kernels``       a fused Triton decode-attention kernel over packed codes            10
+``eval``          capture, perplexity, retrieval, serving, comparisons, capacity      02–08, 11
 *registry and results*
-``caches.registry``  one name and one factory per cache the project compares         04, 07, 10
-``results``       the measured results file (``kvlib/results.json``)                  04, 08
+``caches.registry``  one name and one factory per cache the project compares      04, 05, 08, 11
+``results``       the measured results file (``kvlib/results.json``)                  04, 09
 *tools*
-``plan``          the planner (no torch): engines, the rule, ``recommend()``          08
-``summary``       the series in one table, from the measured results                  08
-``cli``           the ``kvlib`` command line (memory, plan, models)                   08
+``plan``          the planner (no torch): engines, the rule, ``recommend()``          09
+``summary``       the series in one table, from the measured results                  09
+``cli``           the ``kvlib`` command line (memory, plan, models)                   09
 ================  ==================================================================  ==========
 """
 

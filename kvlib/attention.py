@@ -1,7 +1,7 @@
 """Dense reference attention: the one ``softmax(q kᵀ / √d) v`` that kvlib checks itself against.
 
 Introduced in notebook 02, where the error of a quantized cache is measured on what attention
-computes from it (:func:`kvlib.eval.capture.attention_output_error`), and used again in notebook 06,
+computes from it (:func:`kvlib.eval.capture.attention_output_error`), and used again in notebook 07,
 where paged attention (:func:`kvlib.caches.paged.paged_attention`) must equal it.
 
 Shapes follow transformers: queries ``(batch, heads, q_len, head_dim)``, keys and values

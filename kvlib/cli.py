@@ -1,4 +1,4 @@
-"""The ``kvlib`` command line: ``memory``, ``plan``, ``models`` and ``caches`` (notebook 08).
+"""The ``kvlib`` command line: ``memory``, ``plan``, ``models`` and ``caches`` (notebook 09).
 
 ::
 

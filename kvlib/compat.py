@@ -11,7 +11,7 @@ the helpers below, so a rename is fixed here once:
 - :func:`output_cache` — the cache object returned in a model output;
 - :func:`dynamic_cache` / :func:`hf_quantized_cache` — build transformers' own caches;
 - :func:`dynamic_cache_from` / :func:`cache_tensors` / :func:`clone_cache` — a DynamicCache from
-  per-layer tensors, its tensors back, a deep copy (notebook 05);
+  per-layer tensors, its tensors back, a deep copy (notebook 06);
 - :func:`prefill_cache` — run a prefix through a model and keep its DynamicCache;
 - :func:`layer_types` — the attention layer types a config declares;
 - :func:`layer_windows` — each layer's sliding window (``None`` for full attention), for

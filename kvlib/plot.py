@@ -161,7 +161,7 @@ def memory_lines(
     return ax
 
 
-# --- paged attention (notebook 06) ------------------------------------------------------------
+# --- paged attention (notebook 07) ------------------------------------------------------------
 #: Colours of :func:`reservation_map`: not reserved, reserved but unused, holding a token.
 RESERVATION_COLOURS = ("#ffffff", "#f4a3a3", "#3b6ea8")
 
@@ -326,7 +326,7 @@ def series_lines(
     title: str | None = None,
 ) -> Any:
     """One line with markers per named series, ``{name: (xs, ys)}`` — e.g. memory or tokens/s
-    against context length, one line per cache (notebook 07). ``bytes_y`` formats the y axis
+    against context length, one line per cache (notebook 08). ``bytes_y`` formats the y axis
     as byte counts (:func:`bytes_formatter`)."""
     if not series:
         raise ValueError("series_lines() needs at least one series")

@@ -1,7 +1,7 @@
 """The project's measured results: one versioned JSON file, shipped with the package.
 
 Every benchmark writes what it measured to ``kvlib/results.json`` with :func:`record_run`; the
-planner (:mod:`kvlib.plan.planner`), notebook 08 and the CLI read it with :func:`load_results`. Because
+planner (:mod:`kvlib.plan.planner`), notebook 09 and the CLI read it with :func:`load_results`. Because
 it is package data, it works the same after ``pip install`` and on Colab as in a checkout.
 ``benchmarks/RESULTS.md`` keeps the prose and the tables for people; nothing parses it (a test
 checks that every figure its tables quote is in the JSON).
@@ -303,6 +303,7 @@ _ENGINES_BY_SOURCE: dict[str, str] = {
     "benchmarks/bench_engines.py": "llama.cpp",
     "benchmarks/bench_vllm.py": "vLLM",
     "benchmarks/bench_kernel.py": "kvlib's Triton kernel and torch SDPA",
+    "benchmarks/bench_turboquant.py": "transformers",
 }
 
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE) of cached keys: apply, undo, read from a model (notebook 05).
+"""Rotary position embeddings (RoPE) of cached keys: apply, undo, read from a model (notebook 06).
 
 The keys a KV cache holds are *post-rotary*: channel pairs ``(i, i + rot_dim/2)`` of every head
 are rotated by the angle ``position · inv_freq[i]``. The rotation depends on the token's position,

@@ -1,6 +1,6 @@
 """The series in one table: what each technique buys and costs, from the measured results.
 
-Introduced in notebook 08 (section 7). Every figure is read from a results file
+Introduced in notebook 09 (section 7). Every figure is read from a results file
 (:mod:`kvlib.results`) or computed by :mod:`kvlib.memory`; nothing here is typed in. A cost
 measured on several text segments is given as its range, and a range that spans zero is called
 no measurable cost, as the planner's reasons do.
@@ -203,7 +203,7 @@ _ENGINE_RUNS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
 def engine_rows(results: Mapping[str, Any] | None = None) -> list[EngineCacheRow]:
     """Every quantized KV-cache type the results measured on each engine (kvlib's and
     transformers' caches, llama.cpp's types, vLLM's dtypes), each against its own engine's
-    16-bit cache on the same segments of text (notebooks 04 and 08). A vLLM dtype the run
+    16-bit cache on the same segments of text (notebooks 04 and 09). A vLLM dtype the run
     marks as not computed correctly on the CPU, and each engine's reference, are left out; an
     engine whose run is missing gives no rows.
     """

@@ -1,4 +1,4 @@
-"""GPU check of the full-model comparison and what-fits probe (notebook 07): one command, offline.
+"""GPU check of the full-model comparison and what-fits probe (notebook 08): one command, offline.
 
     python scripts/gpu_check.py             # CUDA: random-init SmolLM2-1.7B architecture, 32k context
     python scripts/gpu_check.py --dry-run   # the same code path on CPU at tiny sizes, in seconds

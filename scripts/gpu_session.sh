@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short GPU session for notebook 09 and notebook 07's GPU half, prepared on CPU.
+# One short GPU session for notebook 10 and notebook 08's GPU half, prepared on CPU.
 #
 #   OUT=build/gpu bash scripts/gpu_session.sh        # on a CUDA machine, from the repo root
 #
@@ -20,14 +20,14 @@
 #      unpacked from .whl/ into $SITE (default /tmp/site), which goes on PYTHONPATH; a package
 #      the machine already has in a fitting version is never shadowed (torch, numpy, ...);
 #   2. environment: GPU name and capability, torch / triton / transformers / nbval versions;
-#   3. notebook 09 under strict nbval on CUDA (its kernels compiled, its last section timing
+#   3. notebook 10 under strict nbval on CUDA (its kernels compiled, its last section timing
 #      the kernel against fp16 SDPA); the printed device name (cpu in the committed outputs)
 #      is sanitized in a copy of notebooks/nbval_sanitize.cfg;
 #   4. benchmarks/bench_kernel.py: decode-step latency 1k-128k, bytes read, bandwidth, the
 #      whole-model decode at 32k (run "kernel", written to $OUT/results.json, a copy of
 #      kvlib/results.json); every fused row is first checked against the torch path on CUDA
 #      (float16), so a wrong kernel stops it;
-#   5. scripts/gpu_check.py: notebook 07's full-model check on a random-initialised model,
+#   5. scripts/gpu_check.py: notebook 08's full-model check on a random-initialised model,
 #      with whatever time is left (its --time-limit leaves room for the section in progress).
 # (tests/test_kernels.py is left out: the test suite runs the kernel in Triton's interpreter.)
 #
@@ -175,13 +175,13 @@ assert ok, 'no CUDA device'
 SANITIZE=$(mktemp /tmp/nbval_sanitize_XXXX.cfg)
 cat notebooks/nbval_sanitize.cfg - >"$SANITIZE" <<'EOF'
 
-[the device notebook 09 prints first: cpu in the committed outputs, cuda on a GPU]
+[the device notebook 10 prints first: cpu in the committed outputs, cuda on a GPU]
 regex: \| device (cpu|cuda|mps)(:\d+)?
 replace: | device DEVICE
 EOF
 step nbval_09 180 "$PYTHON" -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
     --nbval-sanitize-with "$SANITIZE" --nbval-cell-timeout 150 \
-    notebooks/09_fused_decode_kernel.ipynb
+    notebooks/10_fused_decode_kernel.ipynb
 step bench_kernel 240 "$PYTHON" benchmarks/bench_kernel.py --json "$OUT/results.json"
 left=$((T_END - SECONDS - 5))
 step gpu_check 240 "$PYTHON" scripts/gpu_check.py --time-limit $((left > 240 ? 140 : (left > 130 ? left - 100 : 30)))

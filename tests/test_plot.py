@@ -67,7 +67,7 @@ def test_series_lines() -> None:
     plt.close("all")
 
 
-# --- paging helpers for notebook 06 -----------------------------------------------------------
+# --- paging helpers for notebook 07 -----------------------------------------------------------
 
 
 def test_reservation_map() -> None:

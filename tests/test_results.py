@@ -23,12 +23,13 @@ SECTION_RUNS = {
     "Quantization kernels (kvlib.quant.tensor)": "quant",
     "Quantized KV cache in transformers (kvlib.caches.quantized vs HF QuantizedCache)": "cache",
     "PCA transform coding (kvlib.kvtc.pca)": "pca",
+    "TurboQuant at equal bits (benchmarks/bench_turboquant.py)": "turboquant",
     "Serving simulation (300 requests, seed 0, 1 GiB KV, max_len 2048)": "paged",
     "Parallel sampling in the simulation (75 requests x 4 samples, paged 16)": "paged",
     "Prefix sharing: 4 parallel samples of a 1024-token prompt (block size 16)": "paged",
     "Paged attention vs dense SDPA (fp32 CPU, 9/3 heads, d=64, block 16)": "paged",
     "Generation on the bundled SmolLM2-135M (16 new tokens, greedy, CPU)": "paged",
-    "CPU: the bundled SmolLM2-135M, every cache side by side (notebook 07)": "full_model_cpu",
+    "CPU: the bundled SmolLM2-135M, every cache side by side (notebook 08)": "full_model_cpu",
     "CPU dry run of the GPU check": "gpu_check_dry_run",
     "llama.cpp's KV-cache types on the bundled GGUF (benchmarks/bench_engines.py)": "llama.cpp",
     "The same types on Gemma 3 270M (run `llama.cpp/gemma-3-270m`)": "llama.cpp/gemma-3-270m",
@@ -187,7 +188,7 @@ def test_provenance_names_the_model_only_when_the_run_has_one():
     assert results.provenance(run) == "measured 2026-12-03 by benchmarks/b.py"
 
 
-def test_results_md_t4_prediction_is_kvlib_memory_at_notebook_07s_budget():
+def test_results_md_t4_prediction_is_kvlib_memory_at_notebook_08s_budget():
     """The predicted-fits paragraph is byte math: recompute every figure it quotes."""
     from kvlib import memory, specs
 
@@ -195,7 +196,7 @@ def test_results_md_t4_prediction_is_kvlib_memory_at_notebook_07s_budget():
     start = text.index('Predicted "what fits" on a T4')
     paragraph = " ".join(text[start : text.index("Not yet confirmed on a GPU.", start)].split())
     assert "13.5 GiB" in paragraph
-    budget = 0.9 * memory.GPUS["T4"]  # notebook 07's BUDGET_BYTES
+    budget = 0.9 * memory.GPUS["T4"]  # notebook 08's BUDGET_BYTES
     spec = specs.get_spec("smollm2-1.7b")
     names = ["dynamic-fp16", "kvlib-int8", "kvlib-int4", "kvlib-int2", "quanto-int4"]
     contexts, batches = [], []

@@ -7,15 +7,16 @@ no torch: :mod:`kvlib.caches.layout` is plain numbers, read by the planner.
 ================  ==============================================================  ==========
 module            what it holds                                                   notebook
 ================  ==============================================================  ==========
-``base``          the state check and batch operations every cache layer shares   04, 10
+``base``          the state check and batch operations every cache layer shares   04, 11
 ``layout``        the quantized cache's defaults, as numbers (no torch)            03, 04
 ``quantized``     a quantized KV cache (KIVI layout, rotation, windows)            04
-``sliding``       a sliding-window layer for hybrid models' sliding layers        04, 10
-``eviction``      caches that keep a budget of tokens per layer (a package)       10
-``blocks``        the block allocator behind paged caches                         06
-``paged``         paged attention, the paged transformers cache                   06
+``sliding``       a sliding-window layer for hybrid models' sliding layers        04, 11
+``turboquant``    TurboQuant's cache: vLLM's layout, or kvlib's (sinks, window)   05
+``eviction``      caches that keep a budget of tokens per layer (a package)       11
+``blocks``        the block allocator behind paged caches                         07
+``paged``         paged attention, the paged transformers cache                   07
 ``hf_probe``      transformers' quantized layers, probed (private quantizer)      04
-``registry``      one name and one factory per cache the project compares         04, 07, 08
+``registry``      one name and one factory per cache the project compares         04, 05, 08, 11
 ================  ==============================================================  ==========
 """
 
@@ -34,6 +35,7 @@ __all__ = [
     "quantized",
     "registry",
     "sliding",
+    "turboquant",
 ]
 
 

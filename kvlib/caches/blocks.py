@@ -1,4 +1,4 @@
-"""The block allocator of a paged KV cache: free list, reference counts, block tables (notebook 06).
+"""The block allocator of a paged KV cache: free list, reference counts, block tables (notebook 07).
 
 A paged KV cache (Kwon et al., SOSP 2023 — the vLLM paper) splits its memory into fixed-size
 **blocks** of ``block_size`` tokens drawn from one preallocated pool; a per-sequence **block

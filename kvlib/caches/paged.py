@@ -1,4 +1,4 @@
-"""PagedAttention from first principles: a paged K/V store, paged attention (notebook 06).
+"""PagedAttention from first principles: a paged K/V store, paged attention (notebook 07).
 
 A contiguous KV cache reserves one ``(kv_heads, max_len, head_dim)`` buffer per request, and a
 request that stops early leaves most of it unused. Paging (Kwon et al., *Efficient Memory

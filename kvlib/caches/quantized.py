@@ -56,7 +56,7 @@ rotating the queries because a cache cannot reach the queries; the price is one
 (head_dim x head_dim) matmul over the quantized keys per read, which makes rotated decoding
 slower (see benchmarks/RESULTS.md).
 
-Fused decoding (``fused_decode``, notebook 09): on CUDA, a single-token decode step does not
+Fused decoding (``fused_decode``, notebook 10): on CUDA, a single-token decode step does not
 dequantize at all. ``update`` returns the new token's states tagged with the layer's packed
 state, and the attention function :mod:`kvlib.kernels.fused_attention` registers (``"kvlib_fused"``,
 sdpa for everything else; a model on ``"sdpa"`` is switched to it on the first fused step)

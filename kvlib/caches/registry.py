@@ -1,4 +1,4 @@
-"""Every KV cache the project compares, by one name (notebooks 04, 07 and 08, the benchmarks).
+"""Every KV cache the project compares, by one name (notebooks 04, 08 and 09, the benchmarks).
 
 A name says what the cache holds, and it is the same everywhere: in the benchmarks, in the
 results file (:mod:`kvlib.results` rows are keyed by it), in the planner's settings, in the
@@ -23,7 +23,7 @@ name                          cache
                               ``-4bit-nc``, ``-k3v4-nc``, ``-3bit-nc``)
 ``turboquant-4bit-centered``  the same codec in kvlib's layout (sinks, a float16 window, keys
 … ``-2bit-centered``          centred per block)
-``paged``                     :class:`kvlib.caches.paged.PagedCache` (notebook 06): the model's
+``paged``                     :class:`kvlib.caches.paged.PagedCache` (notebook 07): the model's
                               dtype in fixed-size blocks of one shared pool; pass
                               ``num_blocks=`` (and ``block_size=``, default 16)
 ============================  ===============================================================
@@ -34,7 +34,7 @@ quantizes the global layers only; transformers' own ``QuantizedCache`` refuses s
 its rows get the same windows (:func:`kvlib.compat.hf_quantized_cache`'s ``sliding_layer``) and
 differ from kvlib's only where the quantizer does.
 
-Token-eviction caches (:class:`kvlib.caches.eviction.cache.EvictionCache`, notebook 10, family
+Token-eviction caches (:class:`kvlib.caches.eviction.cache.EvictionCache`, notebook 11, family
 ``evict``) are in the same table; their size is a budget rather than a bit width, given as part
 of the name, a share of the fp16 cache's bytes (``evict-h2o-int4@1/4``, with ``tokens=`` the
 tokens it will hold), or as ``budget=`` (tokens per layer) or ``max_bytes=``:

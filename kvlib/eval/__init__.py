@@ -3,13 +3,13 @@
 =================  ==============================================================  ==========
 module             what it holds                                                   notebook
 =================  ==============================================================  ==========
-``capture``        capturing a real model's Q/K/V, attention-output error          02, 03
-``quality``        perplexity with the cache really read, generation speed         04, 05
-``retrieval``      a seeded pass-key task, accuracy with a Wilson interval         10
-``serving``        trace-driven serving simulation (waste, concurrency)            06
-``model_choice``   which model to run on this device; random real architectures    07
-``compare``        caches side by side: memory, speed, quality, agreement          07
-``capacity``       what fits: predicted and searched max context and batch         07
+``capture``        capturing a real model's Q/K/V, attention-output error          02, 03, 05
+``quality``        perplexity with the cache really read, generation speed         04, 06
+``retrieval``      a seeded pass-key task, accuracy with a Wilson interval         11
+``serving``        trace-driven serving simulation (waste, concurrency)            07
+``model_choice``   which model to run on this device; random real architectures    08
+``compare``        caches side by side: memory, speed, quality, agreement          08
+``capacity``       what fits: predicted and searched max context and batch         08
 =================  ==============================================================  ==========
 """
 

@@ -1,4 +1,4 @@
-"""What fits in a memory budget: longest context and largest batch per KV cache (notebook 07).
+"""What fits in a memory budget: longest context and largest batch per KV cache (notebook 08).
 
 :func:`what_fits` predicts both with :func:`kvlib.memory.max_context` /
 :func:`kvlib.memory.max_batch` (capped at the model's maximum context) and, on CUDA, confirms

@@ -1,4 +1,4 @@
-"""Caches side by side on a full model: memory, speed, quality and agreement (notebook 07).
+"""Caches side by side on a full model: memory, speed, quality and agreement (notebook 08).
 
 - :func:`run_cache_comparison` measures, for each cache
   (:data:`kvlib.caches.registry.CACHE_NAMES`), peak device memory (CUDA) or the bytes the cache

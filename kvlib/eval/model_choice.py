@@ -1,4 +1,4 @@
-"""Which model to run on this machine, and random-weight models of real architectures (notebook 07).
+"""Which model to run on this machine, and random-weight models of real architectures (notebook 08).
 
 - :func:`choose_model` / :func:`load_choice` pick the model for the device: an open ~2 B
   instruct model on CUDA with hub access, the bundled SmolLM2-135M offline or on CPU, and a

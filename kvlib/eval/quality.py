@@ -5,7 +5,7 @@
   whole text attends to its own full-precision keys and values — and every method looks
   lossless.
 - :func:`continuation_perplexity` scores a continuation from a cache that already holds the
-  prefix (a restored conversation, e.g. a cache decoded by :mod:`kvlib.kvtc.codec`; notebook 05).
+  prefix (a restored conversation, e.g. a cache decoded by :mod:`kvlib.kvtc.codec`; notebook 06).
 - :func:`generation_benchmark` times greedy decoding with a given cache: median decode
   tokens/s (prompt excluded), time to first token, bytes held by the cache, after a warm-up,
   with ``time.perf_counter`` (and ``torch.cuda.synchronize`` plus peak memory on a GPU).

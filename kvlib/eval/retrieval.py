@@ -1,4 +1,4 @@
-"""Retrieval quality: a seeded pass-key task, scored with a confidence interval (notebook 10).
+"""Retrieval quality: a seeded pass-key task, scored with a confidence interval (notebook 11).
 
 Perplexity is dominated by local context, so it hides the failure that matters most for long
 prompts: losing one fact far back. This task measures exactly that. A number (the *pass key*,

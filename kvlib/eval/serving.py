@@ -1,4 +1,4 @@
-"""A trace-driven serving simulation: how much KV memory each reservation policy wastes (notebook 06).
+"""A trace-driven serving simulation: how much KV memory each reservation policy wastes (notebook 07).
 
 The simulated engine does iteration-level (continuous) batching: one **step** is one decode
 iteration in which every running sequence produces one token; new requests are admitted (their

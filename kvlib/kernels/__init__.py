@@ -1,4 +1,4 @@
-"""The fused decode-attention kernel over packed codes (notebook 09).
+"""The fused decode-attention kernel over packed codes (notebook 10).
 
 ====================  ===========================================================
 module                what it holds

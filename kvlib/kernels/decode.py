@@ -1,4 +1,4 @@
-"""One decode step's attention straight from the packed quantized cache (notebook 09).
+"""One decode step's attention straight from the packed quantized cache (notebook 10).
 
 At a decode step (one new query token), attention reads every cached key and value once and
 does two small matrix-vector products with them: on a GPU it is limited by memory bandwidth,
@@ -26,7 +26,7 @@ head_dim)``; tokens in order ``[sinks | quantized blocks | window]``):
 * ``backend="auto"``: triton on CUDA tensors when triton is installed, else torch.
 
 The Triton kernels run compiled on CUDA; on CPU tensors they run only in Triton's interpreter
-(``TRITON_INTERPRET=1`` set before triton is imported; slow, for tests and notebook 09's toy
+(``TRITON_INTERPRET=1`` set before triton is imported; slow, for tests and notebook 10's toy
 sizes). :func:`step_bytes` counts what one step reads.
 """
 

@@ -1,4 +1,4 @@
-"""How a transformers model reaches the fused decode kernel (notebook 09).
+"""How a transformers model reaches the fused decode kernel (notebook 10).
 
 transformers splits a decode step in two calls inside each attention layer::
 

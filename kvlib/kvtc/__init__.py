@@ -1,4 +1,4 @@
-"""KV-cache transform coding (KVTC-style): PCA, bit allocation, and the codec (notebook 05).
+"""KV-cache transform coding (KVTC-style): PCA, bit allocation, and the codec (notebook 06).
 
 =============  ============================================================
 module         what it holds

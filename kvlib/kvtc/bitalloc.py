@@ -1,4 +1,4 @@
-"""Bit allocation for transform coding (introduced in notebook 05).
+"""Bit allocation for transform coding (introduced in notebook 06).
 
 After a PCA transform, component ``j`` of a token's key/value vector has variance ``σ_j²``.
 Quantizing it with ``b`` bits costs ``b`` bits per token and leaves an expected squared error

@@ -1,4 +1,4 @@
-"""KV Cache Transform Coding: a DynamicCache to compact bytes and back (introduced in notebook 05).
+"""KV Cache Transform Coding: a DynamicCache to compact bytes and back (introduced in notebook 06).
 
 Given a :class:`kvlib.kvtc.pca.KVPCABasis` fitted for a model, :class:`KVTCCodec` projects each
 token's keys and values on the basis's components, quantizes every component with the bits a

@@ -1,4 +1,4 @@
-"""PCA of the KV cache: calibration and the learned basis, KVTC-style (introduced in notebook 05).
+"""PCA of the KV cache: calibration and the learned basis, KVTC-style (introduced in notebook 06).
 
 Keys and values of one model are strongly correlated across heads and layers, so a fixed linear
 transform learned once on calibration text (PCA) packs most of their energy into few components.
@@ -596,7 +596,7 @@ def fit_kv_pca(
             ``cross_layer``) for a well-estimated basis.
         sink_tokens: first tokens of every chunk left out of the fit (they stay uncompressed).
         max_components: cap on components per block (``None``: as many as the data allows).
-        undo_rope: de-rotate keys before PCA (recommended; see notebook 05).
+        undo_rope: de-rotate keys before PCA (recommended; see notebook 06).
 
     Returns:
         A :class:`KVPCABasis` on the CPU.

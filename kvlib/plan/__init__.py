@@ -1,4 +1,4 @@
-"""The configuration guide's planner (notebook 08): pure arithmetic, no torch.
+"""The configuration guide's planner (notebook 09): pure arithmetic, no torch.
 
 ``kvlib plan`` answers at once because nothing here imports torch, transformers, the caches or
 the kernels (an import-linter ``forbidden`` contract and a run-time test keep it so).

@@ -1,4 +1,4 @@
-"""What each engine can keep in its KV cache, as data (notebook 08).
+"""What each engine can keep in its KV cache, as data (notebook 09).
 
 The planner (:mod:`kvlib.plan.rule`) chooses an engine first, then the highest precision level
 that the engine can run and that fits, so a plan never names a cache type its engine lacks, and
@@ -25,8 +25,10 @@ group_size, group_meta_bits)``:
   per block of 32 values; ``q4_1``, ``q5_1`` add a per-block fp16 minimum. A quantized V cache
   needs flash attention (``-fa on``).
 
-vLLM has no 4- or 2-bit KV cache and llama.cpp no 2-bit one: the planner's ladder skips those
-levels for those engines. Sources: vLLM's ``--kv-cache-dtype`` choices, llama.cpp's
+The planner offers vLLM no 4- or 2-bit level and llama.cpp no 2-bit one, and skips those levels
+for those engines. (vLLM 0.32 does accept 4- and 3-bit dtypes, TurboQuant's and
+``int4_per_token_head``, on GPUs only; kvlib measures TurboQuant's layout in its own
+re-implementation, notebook 05, but not vLLM running it, so the planner does not choose them.) Sources: vLLM's ``--kv-cache-dtype`` choices, llama.cpp's
 ``--cache-type-k/-v`` list and ggml's block layouts (``ggml-common.h``).
 
 **Mixed K/V types.** llama.cpp sets the key and value caches apart (``-ctk q8_0 -ctv q4_0``).

@@ -1,6 +1,6 @@
 """The planner's fourth family in numbers: would token eviction hold a request that does not fit?
 
-Introduced in notebook 08 (eviction itself is notebook 10's, :mod:`kvlib.caches.eviction.cache`).
+Introduced in notebook 09 (eviction itself is notebook 11's, :mod:`kvlib.caches.eviction.cache`).
 Quantization stores every token in fewer bits; eviction keeps fewer tokens, within a byte budget
 per sequence. The planner never chooses eviction as a plan's setting: it keeps perplexity close
 while it loses facts far back (``benchmarks/bench_eviction.py``'s pass-key retrieval drops), so

@@ -1,4 +1,4 @@
-"""What would fit a request the planner cannot fully serve (notebook 08).
+"""What would fit a request the planner cannot fully serve (notebook 09).
 
 :func:`kvlib.plan.planner.recommend` calls :func:`fallbacks` for a plan whose status is ``"reduced"`` or
 ``"impossible"``; :func:`kvlib.plan.text.suggestions` puts the answer into words. Each change —

@@ -346,7 +346,7 @@ def paged_sequences(
     """Sequences of ``tokens`` tokens a paged engine (vLLM) keeps at once in ``kv_budget`` bytes
     on each GPU: the budget is cut into whole blocks of ``block_size`` tokens, one of which
     (vLLM's null block) is never handed to a request, and each sequence holds
-    ``ceil(tokens / block_size)`` blocks (notebook 06). Nothing else is reserved, so shorter
+    ``ceil(tokens / block_size)`` blocks (notebook 07). Nothing else is reserved, so shorter
     conversations admit more sequences than the full-context count. (The block count is exact
     for full-attention and MLA models, checked against vLLM's reported capacity by
     ``benchmarks/bench_vllm.py``; sliding-window layers are priced at their window.)"""

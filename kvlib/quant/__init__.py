@@ -10,6 +10,8 @@ module        what it holds                                                   no
 ``codebook``  Lloyd-Max codebooks for a known distribution (Gaussian, a       05
               coordinate of a random unit vector)
 ``recipes``   KV quantization recipes (KIVI layout, rotation, windows)        02, 03
+``turboquant``  TurboQuant's codec: rotated keys on one fixed codebook and a    05
+              norm (or float8), per-token values; vLLM's presets; QJL
 ============  ==============================================================  ==========
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["codebook", "packing", "recipes", "rotation", "tensor"]
+__all__ = ["codebook", "packing", "recipes", "rotation", "tensor", "turboquant"]
 
 
 def __getattr__(name: str) -> ModuleType:

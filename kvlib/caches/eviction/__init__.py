@@ -1,4 +1,4 @@
-"""Token eviction: a cache that keeps a budget of tokens per layer (notebook 10).
+"""Token eviction: a cache that keeps a budget of tokens per layer (notebook 11).
 
 =============  ==================================================================
 module         what it holds

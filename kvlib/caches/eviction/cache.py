@@ -1,4 +1,4 @@
-"""Token eviction: a KV cache that keeps at most a budget of tokens per layer (notebook 10).
+"""Token eviction: a KV cache that keeps at most a budget of tokens per layer (notebook 11).
 
 Quantization stores every token in fewer bits; eviction keeps fewer tokens. :class:`EvictionCache`
 is a transformers ``Cache`` made of one :class:`EvictionLayer` (a ``CacheLayerMixin``) per

@@ -1,4 +1,4 @@
-"""What an eviction policy is: a class that scores the cached tokens (notebook 10).
+"""What an eviction policy is: a class that scores the cached tokens (notebook 11).
 
 Each policy lives in its own module (:mod:`~kvlib.caches.eviction.streaming`,
 :mod:`~kvlib.caches.eviction.snapkv`, :mod:`~kvlib.caches.eviction.h2o`,

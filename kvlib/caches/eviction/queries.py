@@ -1,4 +1,4 @@
-"""The queries of a forward pass, for caches that score tokens by attention (notebook 10).
+"""The queries of a forward pass, for caches that score tokens by attention (notebook 11).
 
 A transformers cache sees keys and values, never queries; SnapKV, H2O and TOVA
 (:mod:`kvlib.caches.eviction.cache`) need them. A forward pre-hook on every attention module recomputes

@@ -1,9 +1,9 @@
-"""What every token-eviction policy shares: attention weights, and which tokens to keep (notebook 10).
+"""What every token-eviction policy shares: attention weights, and which tokens to keep (notebook 11).
 
 Pure tensor functions, no cache and no model: the policies (one module each, a
 :class:`~kvlib.caches.eviction.policy.Policy` apiece) score tokens with :func:`attention_weights`,
 and :mod:`kvlib.caches.eviction.cache` turns any policy's scores into the kept set with
-:func:`keep_indices`; notebook 10 checks its from-scratch versions against them.
+:func:`keep_indices`; notebook 11 checks its from-scratch versions against them.
 
 Shapes follow transformers: queries ``(batch, heads, q_len, head_dim)``, keys
 ``(batch, kv_heads, n, head_dim)`` (after RoPE, as cached), attention weights

@@ -1,0 +1,226 @@
+"""TurboQuant (vLLM's codebook caches) against kvlib's KIVI caches and transformers' own, at
+equal bits, in one run.
+
+For every cache: perplexity on ``--segments`` consecutive 2048-token segments of
+``kvlib.data.load_eval_text()`` fed in chunks of 64 tokens (attention reads the cached past), as
+the % delta against the fp32 DynamicCache per segment and their mean; bits per cached value with
+everything counted (codes, norms, scales, zero points, block means, sinks, windows, boundary
+layers) after 4096 tokens; pass-key retrieval at 1024 tokens (:mod:`kvlib.eval.retrieval`,
+Wilson 95 % interval); and the cost on this CPU of one decode step at 4096 tokens (every
+layer's ``update`` for one token: reading the past back and storing the new token), as a ratio
+to kvlib-int4's, and of storing a 4096-token prompt, per token. Prints Markdown tables and
+writes run ``"turboquant"`` of ``kvlib/results.json`` (``"turboquant/<model>"`` for another
+model), rows keyed by :mod:`kvlib.caches.registry` names.
+
+    .venv/bin/python benchmarks/bench_turboquant.py               # ~15 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_turboquant.py --segments 2 --trials 2 --no-json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _machine import machine
+from _timing import median_seconds
+from tqdm import tqdm
+
+import kvlib
+from kvlib import compat, results
+from kvlib.caches import registry
+from kvlib.eval import quality, retrieval
+from kvlib.specs import kv_geometry
+
+#: The caches compared (the fp32 reference is added first): kvlib's KIVI caches, transformers'
+#: quanto, HQQ and fp8 caches, vLLM's four TurboQuant dtypes, and the same codec in kvlib's layout.
+CACHES = (
+    "kvlib-int4",
+    "kvlib-int3",
+    "kvlib-int2",
+    "quanto-int4",
+    "quanto-int2",
+    "hqq-int4",
+    "hqq-int2",
+    "hf-fp8",
+    *(n for n in registry.CACHE_NAMES if registry.cache_info(n).family == "turboquant"),
+)
+#: What ran the caches: vLLM's TurboQuant layout re-implemented in kvlib, inside transformers
+#: (vLLM runs its TurboQuant dtypes on GPUs only).
+ENGINE = "transformers, with kvlib's re-implementation of vLLM's TurboQuant layout"
+CONTEXT = 4096  # tokens at which bytes and the decode step are measured
+CHUNK = 64
+
+
+def log(line: str) -> None:
+    """A progress line on stdout, above the progress bars (stderr)."""
+    tqdm.write(line)
+    sys.stdout.flush()
+
+
+def fill(cache: Any, config: Any, tokens: int, chunk: int = 256) -> Any:
+    """``cache`` after ``tokens`` random states in every layer (bytes depend on shapes only)."""
+    layers, _, heads, d = kv_geometry(config)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, heads, tokens, d, generator=g)
+    v = torch.randn(1, heads, tokens, d, generator=g)
+    with torch.inference_mode():
+        for start in range(0, tokens, chunk):
+            for i in range(layers):
+                cache.update(k[:, :, start : start + chunk], v[:, :, start : start + chunk], i)
+    return cache
+
+
+def costs(factory: Callable[[], Any], config: Any) -> dict[str, float]:
+    """Bits per value after :data:`CONTEXT` tokens, the median decode step there (s) and the
+    median cost of storing them, per token (s)."""
+    cache = fill(factory(), config, CONTEXT)
+    bits = 16 * compat.cache_nbytes(cache) / cache_fp16(config)
+    layers, _, heads, d = kv_geometry(config)
+    g = torch.Generator().manual_seed(1)
+    k1, v1 = torch.randn(1, heads, 1, d, generator=g), torch.randn(1, heads, 1, d, generator=g)
+
+    def step() -> None:
+        with torch.inference_mode():
+            for i in range(layers):
+                cache.update(k1, v1, i)
+
+    step_s, _ = median_seconds(step, min_run_time=0.5)
+    store_s, _ = median_seconds(lambda: fill(factory(), config, CONTEXT), min_run_time=0.1)
+    return {"bits": bits, "step_s": step_s, "store_s_per_token": store_s / CONTEXT}
+
+
+def cache_fp16(config: Any) -> int:
+    """Bytes of an fp16 cache of :data:`CONTEXT` tokens (sliding layers: their window)."""
+    return registry.fp16_bytes(config, CONTEXT)
+
+
+def perplexities(model: Any, segments: list[torch.Tensor], names: list[str]) -> dict[str, list]:
+    """``{name: [perplexity per segment]}``, the reference first."""
+    out: dict[str, list[float]] = {}
+    bar = tqdm(total=len(names) * len(segments), desc="perplexity", disable=None)
+    for name in names:
+        factory = registry.cache_factory(name, model.config)
+        out[name] = []
+        for seg in segments:
+            out[name].append(quality.perplexity(model, seg, factory(), chunk_size=CHUNK))
+            bar.update()
+        log(f"{name}: " + ", ".join(f"{p:.4f}" for p in out[name]))
+    bar.close()
+    return out
+
+
+def measure_all(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every row of the run: perplexity deltas, bits, retrieval and costs."""
+    ids = tok(kvlib.data.load_eval_text(), return_tensors="pt").input_ids[0].tolist()
+    bos = tok.bos_token_id if ids and ids[0] == tok.bos_token_id else None
+    segments = [
+        torch.tensor([kvlib.data.segment(ids, i, args.tokens, bos)]) for i in range(args.segments)
+    ]
+    reference = registry.reference_name(model.dtype)
+    chosen = CACHES if args.caches is None else registry.check_names(args.caches)
+    names = [reference, *chosen, *(() if "kvlib-int4" in chosen else ("kvlib-int4",))]
+    ppl = perplexities(model, segments, names)
+    found = retrieval.compare_retrieval(
+        model,
+        tok,
+        {n: registry.cache_factory(n, model.config) for n in names},
+        context_tokens=(1024,),
+        trials=args.trials,
+        progress=True,
+    )
+    rows: dict[str, dict[str, Any]] = {}
+    for name in tqdm(names, desc="costs", disable=None):
+        deltas = [100 * (p / r - 1) for p, r in zip(ppl[name], ppl[reference], strict=True)]
+        summary = found[name].summary()
+        rows[name] = {
+            "perplexity_segments": [round(p, 5) for p in ppl[name]],
+            "perplexity_delta_pct_segments": [round(x, 4) for x in deltas],
+            "perplexity_delta_pct_mean": round(statistics.mean(deltas), 4),
+            "retrieval_1024": round(summary["accuracy"], 4),
+            "retrieval_1024_correct": summary["correct"],
+            "retrieval_1024_trials": summary["trials"],
+            **costs(registry.cache_factory(name, model.config), model.config),
+        }
+    step_int4 = rows["kvlib-int4"]["step_s"]
+    for row in rows.values():
+        row["decode_step_vs_kvlib_int4"] = row["step_s"] / step_int4
+    return rows
+
+
+def print_table(rows: dict[str, dict[str, Any]]) -> None:
+    """The equal-bits table, sorted by bits per value."""
+    print(
+        f"\n| cache | bits/value at {CONTEXT} | perplexity Δ % (mean) | segments | "
+        "pass-key @1024 | decode step vs kvlib-int4 | store µs/token |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|")
+    for name, r in sorted(rows.items(), key=lambda kv: kv[1]["bits"]):
+        segs = " ".join(f"{x:+.2f}" for x in r["perplexity_delta_pct_segments"])
+        print(
+            f"| {name} | {r['bits']:.2f} | {r['perplexity_delta_pct_mean']:+.3f} | {segs} | "
+            f"{r['retrieval_1024_correct']}/{r['retrieval_1024_trials']} | "
+            f"{r['decode_step_vs_kvlib_int4']:.2f} | {1e6 * r['store_s_per_token']:.1f} |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--model", default=kvlib.models.DEFAULT_MODEL, choices=kvlib.models.OFFLINE_MODELS
+    )
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per perplexity segment")
+    ap.add_argument("--segments", type=int, default=4, help="perplexity segments")
+    ap.add_argument("--trials", type=int, default=4, help="pass-key trials per depth (5 depths)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--caches", nargs="*", default=None, help="only these registry names (writes no run)"
+    )
+    ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    offline = kvlib.models.OFFLINE_MODELS[args.model]
+    model, tok = kvlib.models.load_model(args.model)
+    rows = measure_all(model, tok, args)
+    print_table(rows)
+    if args.no_json or args.caches is not None:
+        return
+    entry = {
+        "source": "benchmarks/bench_turboquant.py",
+        "engine": ENGINE,
+        "command": "python benchmarks/bench_turboquant.py " + " ".join(sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(args.threads),
+        "model": offline.title,
+        "settings": {
+            "tokens": args.tokens,
+            "segments": args.segments,
+            "chunk_size": CHUNK,
+            "bytes_at_tokens": CONTEXT,
+            "retrieval_context": 1024,
+            "retrieval_trials_per_depth": args.trials,
+            "model_dtype": str(model.dtype).removeprefix("torch."),
+        },
+        "rows": {
+            name: {
+                **{k: v for k, v in r.items() if k not in ("bits", "step_s", "store_s_per_token")},
+                "bits_per_value_at_4096": round(r["bits"], 3),
+                "decode_step_ms_at_4096": round(1e3 * r["step_s"], 2),
+                "decode_step_vs_kvlib_int4": round(r["decode_step_vs_kvlib_int4"], 2),
+                "store_us_per_token": round(1e6 * r["store_s_per_token"], 1),
+            }
+            for name, r in rows.items()
+        },
+    }
+    name = results.run_name("turboquant", args.model)
+    log(f"wrote run {name!r} to {results.record_run(name, entry)}")
+
+
+if __name__ == "__main__":
+    main()
