@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from _machine import machine
+from _states import fill
 from tqdm import tqdm
 
 import kvlib
@@ -45,7 +46,7 @@ from kvlib.caches import registry as cache_registry
 from kvlib.caches.quantized import QuantizedKVCache
 from kvlib.eval import quality
 from kvlib.memory import kv_cache_bytes
-from kvlib.specs import kv_geometry, spec_from_config
+from kvlib.specs import spec_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_PPL = {8: 0.05, 4: 0.1, 3: 0.5, 2: 10.0}
@@ -90,15 +91,7 @@ def factories(model, only: list[str] | None = None):
 
 def bytes_at(factory, config, tokens: int, chunk: int = 64) -> tuple[int, int]:
     """(bytes held, fp16 bytes) after feeding ``tokens`` random states to every layer."""
-    cache = factory()
-    layers, _, heads, d = kv_geometry(config)
-    g = torch.Generator().manual_seed(0)
-    k = torch.randn(1, heads, tokens, d, generator=g)
-    v = torch.randn(1, heads, tokens, d, generator=g)
-    with torch.inference_mode():
-        for start in range(0, tokens, chunk):
-            for i in range(layers):
-                cache.update(k[:, :, start : start + chunk], v[:, :, start : start + chunk], i)
+    cache = fill(factory(), config, tokens, chunk)
     fp16 = kv_cache_bytes(spec_from_config(config), tokens, bits=16)
     return compat.cache_nbytes(cache), fp16
 

@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from _tiny_models import gemma3_config as tiny_gemma3_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig
@@ -27,20 +28,7 @@ VOCAB = 128
 
 def gemma3_config(window: int = WINDOW) -> Gemma3TextConfig:
     """Gemma 3 270M's shape, shrunk: 6 layers (5 sliding, 1 global), one KV head."""
-    cfg = Gemma3TextConfig(
-        num_hidden_layers=6,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
-        sliding_window=window,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        query_pre_attn_scalar=HEAD_DIM,
-    )
-    cfg._attn_implementation = "eager"
-    return cfg
+    return tiny_gemma3_config(window, HEAD_DIM)
 
 
 @pytest.fixture(scope="module")

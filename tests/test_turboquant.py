@@ -12,9 +12,10 @@ import math
 
 import pytest
 import torch
+from _tiny_models import gemma3_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Gemma3TextConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from kvlib import compat
 from kvlib.caches import registry
@@ -42,15 +43,21 @@ def _anisotropic(n: int, d: int, seed: int) -> torch.Tensor:
 @settings(max_examples=12, deadline=None)
 @given(bits=BITS, d=st.sampled_from([32, 64, 128]), seed=st.integers(0, 10_000))
 def test_random_rotation_makes_the_codebook_distortion_data_oblivious(bits, d, seed):
-    """After a Haar rotation every coordinate of a unit vector follows the sphere's coordinate
-    law, so the mean relative error of any input is ``d`` times the codebook's per-coordinate
-    MSE, however skewed the input's channels are."""
-    q = TurboQuantizer(
-        d, bits, 4, rotation="random", codebook="sphere", norm_correction=False, seed=seed
-    )
+    """Averaged over Haar rotations, every coordinate of a rotated unit vector follows the
+    sphere's coordinate law, so the mean relative error of any input is ``d`` times the
+    codebook's per-coordinate MSE, however skewed the input's channels are. One rotation of a
+    skewed input misses that by up to ~5 % (one standard deviation at d=32, less at larger d),
+    so the test averages 8 rotations and allows 10 %."""
     x = _anisotropic(3000, d, seed)
-    rel = ((q.decode_keys(q.encode_keys(x)) - x).norm(dim=-1) ** 2 / x.norm(dim=-1) ** 2).mean()
-    assert float(rel) == pytest.approx(d * q.codebook.mse, rel=0.1)
+    rel, mse = [], None
+    for r in range(8):
+        q = TurboQuantizer(
+            d, bits, 4, rotation="random", codebook="sphere", norm_correction=False, seed=seed + r
+        )
+        y = q.decode_keys(q.encode_keys(x))
+        rel.append(float(((y - x).norm(dim=-1) ** 2 / x.norm(dim=-1) ** 2).mean()))
+        mse = q.codebook.mse
+    assert sum(rel) / len(rel) == pytest.approx(d * mse, rel=0.1)
 
 
 @pytest.mark.parametrize("bits, limit", [(2, 0.1175), (3, 0.03454), (4, 0.009497)])
@@ -312,17 +319,7 @@ def test_how_tokens_arrive_does_not_change_what_is_read(config, layout):
 
 
 def test_a_hybrid_model_keeps_windows_in_its_sliding_layers():
-    cfg = Gemma3TextConfig(
-        num_hidden_layers=6,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=256,
-        sliding_window=16,
-        vocab_size=128,
-        max_position_embeddings=512,
-    )
+    cfg = gemma3_config(window=16, head_dim=256)
     cache = TurboQuantCache(cfg, 3, 4)
     assert cache.boundary_layers == 0  # vLLM quantizes every layer of a hybrid model
     sliding = [isinstance(layer, SlidingWindowLayer) for layer in cache.layers]

@@ -6,15 +6,20 @@ tokens differently, but take the same ``(batch, kv_heads, seq_len, head_dim)`` s
 model and serve the same batch operations of transformers' ``CacheLayerMixin`` (beam search's
 reorder, contrastive search's repeat, batch selection). Each layer writes only how it keeps
 some batch rows (``_select_rows``); :class:`BatchRows` derives the three operations from it.
+A layer that returns every token it holds (no window) gets its lengths, mask sizes and
+offloading from :class:`WholeSequence`; a cache gets its byte counts from :class:`ByteCounts`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-__all__ = ["BatchRows", "check_states", "row_indices"]
+from kvlib import compat
+
+__all__ = ["BatchRows", "ByteCounts", "WholeSequence", "check_states", "row_indices"]
 
 
 def check_states(key_states: Any, value_states: Any) -> None:
@@ -70,3 +75,68 @@ class BatchRows:
         """Repeat every batch row ``repeats`` times."""
         if self.is_initialized:
             self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+
+class WholeSequence:
+    """Lengths, mask sizes, offloading and the fp16 byte count of a layer that returns every
+    token it holds (no window, no maximum), from its ``cumulative_length``, its shape
+    (``batch_size``, ``num_heads``, ``head_dim``) and its ``_map_device(device)`` (move every
+    stored tensor; a no-op before the first update)."""
+
+    cumulative_length: int
+    is_initialized: bool
+    device: Any
+    batch_size: int
+    num_heads: int
+    head_dim: int
+
+    def _map_device(self, device: Any) -> None:
+        raise NotImplementedError
+
+    def get_seq_length(self) -> int:
+        """Number of tokens cached."""
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the attention mask: every cached token is returned."""
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        """No maximum (-1): the layer grows with the sequence."""
+        return -1
+
+    def offload(self) -> None:
+        """Move the stored tokens to the CPU."""
+        self._map_device("cpu")
+
+    def prefetch(self) -> None:
+        """Move the stored tokens back to the layer's device."""
+        if self.is_initialized:
+            self._map_device(self.device)
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 DynamicCache layer would hold for the same tokens (keys and values)."""
+        if not self.is_initialized:
+            return 0
+        return 2 * self.batch_size * self.num_heads * self.cumulative_length * self.head_dim * 2
+
+
+class ByteCounts:
+    """A cache's byte counts from its ``layers``: each layer's exact ``nbytes``
+    (:func:`kvlib.compat.layer_nbytes`) and the bytes an fp16 ``DynamicCache`` would hold for
+    the same tokens (each layer's ``fp16_nbytes()``; a sliding layer counts its window)."""
+
+    layers: list[Any]
+
+    def nbytes(self) -> int:
+        """Exact bytes held by all layers."""
+        return sum(compat.layer_nbytes(layer) for layer in self.layers)
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 DynamicCache would hold for the same tokens."""
+        return sum(layer.fp16_nbytes() for layer in self.layers)
+
+    def compression_ratio(self) -> float:
+        """``fp16_nbytes() / nbytes()`` (``nan`` while empty)."""
+        n = self.nbytes()
+        return self.fp16_nbytes() / n if n else math.nan

@@ -80,14 +80,13 @@ float16 scales fall back to float32 per quantized block where float16 cannot hol
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib import compat
-from kvlib.caches.base import BatchRows, check_states, row_indices
+from kvlib.caches.base import BatchRows, ByteCounts, WholeSequence, check_states, row_indices
 from kvlib.caches.layout import (
     RESIDUAL_LENGTH,
     SINK_TOKENS,
@@ -151,7 +150,7 @@ def _check_key_group_size(key_group_size: Any, residual_length: int, key_bits: i
     return key_group_size
 
 
-class QuantizedKVLayer(BatchRows, CacheLayerMixin):
+class QuantizedKVLayer(WholeSequence, BatchRows, CacheLayerMixin):
     """One decoder layer of :class:`QuantizedKVCache` (see the module docstring for the layout).
 
     State after ``update`` calls totalling ``T`` tokens, with ``s = min(T, sink_tokens)``,
@@ -453,18 +452,6 @@ class QuantizedKVLayer(BatchRows, CacheLayerMixin):
         )
         return self._read(empty, empty)
 
-    def get_seq_length(self) -> int:
-        """Number of tokens cached (sinks + blocks + window)."""
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` for the attention mask: every cached token is returned."""
-        return self.cumulative_length + query_length, 0
-
-    def get_max_length(self) -> int:
-        """No maximum (-1): the cache grows with the sequence."""
-        return -1
-
     def reset(self) -> None:
         """Drop every stored token; the next ``update`` starts from scratch."""
         self._clear()
@@ -489,15 +476,6 @@ class QuantizedKVLayer(BatchRows, CacheLayerMixin):
             self.value_blocks = self.value_blocks.index_select(1, rows)
         self.batch_size = self.sink_keys.shape[0]
 
-    def offload(self) -> None:
-        """Move the stored codes and windows to the CPU."""
-        self._map_device("cpu")
-
-    def prefetch(self) -> None:
-        """Move the stored codes and windows back to the layer's device."""
-        if self.is_initialized:
-            self._map_device(self.device)
-
     def _map_device(self, device: Any) -> None:
         if not self.is_initialized:
             return
@@ -521,14 +499,8 @@ class QuantizedKVLayer(BatchRows, CacheLayerMixin):
             total += self.key_blocks.nbytes + self.value_blocks.nbytes
         return total
 
-    def fp16_nbytes(self) -> int:
-        """Bytes an fp16 DynamicCache layer would hold for the same tokens (keys + values)."""
-        if not self.is_initialized:
-            return 0
-        return 2 * self.batch_size * self.num_heads * self.cumulative_length * self.head_dim * 2
 
-
-class QuantizedKVCache(Cache):
+class QuantizedKVCache(ByteCounts, Cache):
     """KIVI-style quantized KV cache for transformers models (see the module docstring).
 
     Args:
@@ -652,17 +624,7 @@ class QuantizedKVCache(Cache):
     def nbytes(self) -> int:
         """Exact bytes held by all layers (codes, scales, zero points, sinks, windows), plus
         the shared Hadamard matrix when ``rotate=True``."""
-        total = sum(layer.nbytes() for layer in self.layers)
+        total = super().nbytes()
         if self.rotation is not None:
             total += self.rotation.numel() * self.rotation.element_size()
         return total
-
-    def fp16_nbytes(self) -> int:
-        """Bytes an fp16 DynamicCache would hold for the same tokens (sliding layers:
-        ``min(T, sliding_window)`` tokens, as :func:`kvlib.memory.kv_cache_bytes` counts)."""
-        return sum(layer.fp16_nbytes() for layer in self.layers)
-
-    def compression_ratio(self) -> float:
-        """``fp16_nbytes() / nbytes()`` (``nan`` while empty)."""
-        n = self.nbytes()
-        return self.fp16_nbytes() / n if n else math.nan

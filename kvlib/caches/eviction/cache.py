@@ -55,7 +55,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib import compat
-from kvlib.caches.base import BatchRows, check_states, row_indices
+from kvlib.caches.base import BatchRows, ByteCounts, check_states, row_indices
 from kvlib.caches.eviction import scores as es
 from kvlib.caches.eviction.h2o import H2O
 from kvlib.caches.eviction.knorm import KNorm
@@ -440,7 +440,7 @@ class EvictionLayer(BatchRows, CacheLayerMixin):
         return 2 * self.batch_size * self.num_heads * self.seen * self.head_dim * 2
 
 
-class EvictionCache(Cache):
+class EvictionCache(ByteCounts, Cache):
     """A transformers cache that keeps at most ``budget`` tokens per layer and KV head.
 
     Args:
@@ -559,17 +559,3 @@ class EvictionCache(Cache):
         """Tokens kept per KV head in the first full-attention layer (layer 0 unless the
         model has sliding-window layers)."""
         return self.layers[self._first_full].kept()
-
-    def nbytes(self) -> int:
-        """Exact bytes held by all layers (the shared Hadamard matrix, a constant, excluded)."""
-        return sum(layer.nbytes() for layer in self.layers)
-
-    def fp16_nbytes(self) -> int:
-        """Bytes an fp16 DynamicCache would hold for every token seen (a sliding layer: its
-        window, ``min(seen, sliding_window)`` tokens)."""
-        return sum(layer.fp16_nbytes() for layer in self.layers)
-
-    def compression_ratio(self) -> float:
-        """``fp16_nbytes() / nbytes()`` (``nan`` while empty)."""
-        n = self.nbytes()
-        return self.fp16_nbytes() / n if n else math.nan
