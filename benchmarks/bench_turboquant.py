@@ -1,5 +1,5 @@
-"""TurboQuant (vLLM's codebook caches) against kvlib's KIVI caches and transformers' own, at
-equal bits, in one run.
+"""TurboQuant (vLLM's codebook caches) and KVQuant against kvlib's KIVI caches and transformers'
+own, at equal bits, in one run.
 
 For every cache: perplexity on ``--segments`` consecutive 2048-token segments of
 ``kvlib.data.load_eval_text()`` fed in chunks of 64 tokens (attention reads the cached past), as
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from _machine import machine
+from _states import fill
 from _timing import median_seconds
 from tqdm import tqdm
 
@@ -38,7 +39,8 @@ from kvlib.eval import quality, retrieval
 from kvlib.specs import kv_geometry
 
 #: The caches compared (the fp32 reference is added first): kvlib's KIVI caches, transformers'
-#: quanto, HQQ and fp8 caches, vLLM's four TurboQuant dtypes, and the same codec in kvlib's layout.
+#: quanto, HQQ and fp8 caches, vLLM's four TurboQuant dtypes, the same codec in kvlib's layout,
+#: and KVQuant's codec in kvlib's layout.
 CACHES = (
     "kvlib-int4",
     "kvlib-int3",
@@ -49,10 +51,11 @@ CACHES = (
     "hqq-int2",
     "hf-fp8",
     *(n for n in registry.CACHE_NAMES if registry.cache_info(n).family == "turboquant"),
+    *(n for n in registry.CACHE_NAMES if registry.cache_info(n).family == "kvquant"),
 )
 #: What ran the caches: vLLM's TurboQuant layout re-implemented in kvlib, inside transformers
 #: (vLLM runs its TurboQuant dtypes on GPUs only).
-ENGINE = "transformers, with kvlib's re-implementation of vLLM's TurboQuant layout"
+ENGINE = "transformers, with kvlib's re-implementations of vLLM's TurboQuant layout and of KVQuant"
 CONTEXT = 4096  # tokens at which bytes and the decode step are measured
 CHUNK = 64
 
@@ -63,23 +66,10 @@ def log(line: str) -> None:
     sys.stdout.flush()
 
 
-def fill(cache: Any, config: Any, tokens: int, chunk: int = 256) -> Any:
-    """``cache`` after ``tokens`` random states in every layer (bytes depend on shapes only)."""
-    layers, _, heads, d = kv_geometry(config)
-    g = torch.Generator().manual_seed(0)
-    k = torch.randn(1, heads, tokens, d, generator=g)
-    v = torch.randn(1, heads, tokens, d, generator=g)
-    with torch.inference_mode():
-        for start in range(0, tokens, chunk):
-            for i in range(layers):
-                cache.update(k[:, :, start : start + chunk], v[:, :, start : start + chunk], i)
-    return cache
-
-
 def costs(factory: Callable[[], Any], config: Any) -> dict[str, float]:
     """Bits per value after :data:`CONTEXT` tokens, the median decode step there (s) and the
     median cost of storing them, per token (s)."""
-    cache = fill(factory(), config, CONTEXT)
+    cache = fill(factory(), config, CONTEXT, 256)
     bits = 16 * compat.cache_nbytes(cache) / cache_fp16(config)
     layers, _, heads, d = kv_geometry(config)
     g = torch.Generator().manual_seed(1)
@@ -91,7 +81,7 @@ def costs(factory: Callable[[], Any], config: Any) -> dict[str, float]:
                 cache.update(k1, v1, i)
 
     step_s, _ = median_seconds(step, min_run_time=0.5)
-    store_s, _ = median_seconds(lambda: fill(factory(), config, CONTEXT), min_run_time=0.1)
+    store_s, _ = median_seconds(lambda: fill(factory(), config, CONTEXT, 256), min_run_time=0.1)
     return {"bits": bits, "step_s": step_s, "store_s_per_token": store_s / CONTEXT}
 
 

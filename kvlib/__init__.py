@@ -16,7 +16,7 @@ module/package    what it holds                                                 
 ``memory``        KV-cache byte math, what fits in a GPU (GiB)                        01
 ``keys``          names with a budget (``evict-h2o@1/4``), parsed once: result rows   09, 11
 ``attention``     dense reference attention (causal, GQA, ragged lengths)             02, 07
-``rope``          rotary position embeddings: apply, undo, read from a model          06
+``rope``          RoPE: apply, undo, read from a model or its config                  05, 06
 ``compat``        one adapter over transformers' cache API                            04, 06
 ``plot``          the notebooks' shared plots; ``interactive()`` for widgets          all
 *techniques* (packages)

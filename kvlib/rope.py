@@ -6,7 +6,8 @@ which spreads a key's energy over each rotated pair and hides the correlation ac
 a transform such as PCA (:mod:`kvlib.kvtc.pca`) needs. :func:`undo_rope` rotates each token back by its
 own angle; :func:`apply_rope` re-applies the model's rotation bit for bit (same float32 angle
 arithmetic as transformers' ``LlamaRotaryEmbedding``); :func:`rope_parameters` reads
-``(inv_freq, attention_scaling)`` from a transformers model.
+``(inv_freq, attention_scaling)`` from a transformers model, :func:`rope_from_config` computes
+them from its config (for a cache, which sees the config only).
 
 Shapes follow transformers: keys are ``(batch, kv_heads, seq_len, head_dim)``.
 """
@@ -17,7 +18,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["apply_rope", "undo_rope", "rope_parameters"]
+__all__ = [
+    "apply_rope",
+    "rope_from_config",
+    "rope_parameters",
+    "rotate_by",
+    "rotation_table",
+    "undo_rope",
+]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -26,10 +34,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, device: torch.device
+def rotation_table(
+    inv_freq: torch.Tensor, positions: torch.Tensor, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)``, each ``(seq_len, rot_dim)`` float32, of the angles ``positions × inv_freq``."""
+    """``(cos, sin)``, each ``(seq_len, rot_dim)`` float32, of the angles ``positions × inv_freq``
+    (``positions`` ``(seq_len,)``, ``inv_freq`` ``(rot_dim // 2,)``): a table a caller that
+    rotates the same positions again and again can keep (:func:`rotate_by`)."""
+    device = positions.device if device is None else device
     # Same arithmetic as transformers' LlamaRotaryEmbedding.forward (float32 angles), so that
     # re-applying reproduces the model's own rotation bit for bit.
     freqs = positions.to(device=device, dtype=torch.float32)[:, None] * inv_freq.to(
@@ -37,6 +48,26 @@ def _cos_sin(
     )
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def rotate_by(
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attention_scaling: float = 1.0,
+    *,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """Keys ``(batch, kv_heads, seq_len, head_dim)`` rotated by a :func:`rotation_table` of their
+    positions (``cos``/``sin`` ``(seq_len, rot_dim)``): :func:`apply_rope` (or, with
+    ``inverse``, :func:`undo_rope`) without recomputing the angles. Same shape and dtype."""
+    rot = cos.shape[-1]
+    k = keys[..., :rot].to(torch.float32)
+    if inverse:
+        out = (k * cos - _rotate_half(k) * sin) / attention_scaling
+    else:
+        out = (k * cos + _rotate_half(k) * sin) * attention_scaling
+    return torch.cat([out.to(keys.dtype), keys[..., rot:]], dim=-1)
 
 
 def _check_rope_args(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
@@ -77,11 +108,8 @@ def apply_rope(
         Rotated keys, same shape and dtype.
     """
     _check_rope_args(keys, positions, inv_freq)
-    rot = 2 * inv_freq.numel()
-    cos, sin = _cos_sin(inv_freq, positions, keys.device)
-    k = keys[..., :rot].to(torch.float32)
-    out = (k * cos + _rotate_half(k) * sin) * attention_scaling
-    return torch.cat([out.to(keys.dtype), keys[..., rot:]], dim=-1)
+    cos, sin = rotation_table(inv_freq, positions, keys.device)
+    return rotate_by(keys, cos, sin, attention_scaling)
 
 
 def undo_rope(
@@ -99,11 +127,8 @@ def undo_rope(
     _check_rope_args(keys, positions, inv_freq)
     if not attention_scaling:
         raise ValueError("attention_scaling must be non-zero")
-    rot = 2 * inv_freq.numel()
-    cos, sin = _cos_sin(inv_freq, positions, keys.device)
-    k = keys[..., :rot].to(torch.float32)
-    out = (k * cos - _rotate_half(k) * sin) / attention_scaling
-    return torch.cat([out.to(keys.dtype), keys[..., rot:]], dim=-1)
+    cos, sin = rotation_table(inv_freq, positions, keys.device)
+    return rotate_by(keys, cos, sin, attention_scaling, inverse=True)
 
 
 def rope_parameters(model: Any) -> tuple[torch.Tensor, float]:
@@ -128,3 +153,78 @@ def rope_parameters(model: Any) -> tuple[torch.Tensor, float]:
     if inv is None:
         inv = rotary.inv_freq
     return inv.detach().float().cpu().clone(), float(getattr(rotary, "attention_scaling", 1.0))
+
+
+def rope_from_config(config: Any, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` of a model's RoPE, computed from its transformers config
+    as its rotary embedding module computes them at load time.
+
+    Args:
+        config: a transformers config (its text config is read).
+        layer_type: for a model whose ``rope_parameters`` differ by layer type (Gemma 3:
+            ``"sliding_attention"``, ``"full_attention"``), which to read; ignored otherwise.
+
+    Returns:
+        ``inv_freq`` ``(rot_dim // 2,)`` float32 on the CPU, and the float ``attention_scaling``.
+
+    Raises:
+        TypeError: not a transformers config.
+        ValueError: no RoPE parameters, a layer type the config does not have, or a ``dynamic``
+            RoPE (its angles change with the sequence length, so stored keys cannot be re-rotated).
+    """
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(
+            f"config must be a transformers PretrainedConfig (got {type(config).__name__})"
+        )
+    text = config.get_text_config(decoder=True)
+    params = getattr(text, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        raise ValueError(f"{type(text).__name__} has no rope_parameters: the model has no RoPE")
+    per_type = "rope_theta" not in params and all(isinstance(v, dict) for v in params.values())
+    if per_type:
+        if layer_type not in params:
+            raise ValueError(
+                f"the config's RoPE differs by layer type {sorted(params)}: pass layer_type "
+                f"(got {layer_type!r})"
+            )
+        params = params[layer_type]
+    else:
+        layer_type = None
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError("dynamic RoPE changes its angles with the sequence length")
+    if rope_type == "default":
+        rotary = _rotary_class(text)
+        if rotary is None:
+            raise ValueError(
+                f"no rotary embedding class found for model type {text.model_type!r}: kvlib "
+                "reads the default RoPE from the model's own code"
+            )
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        inv, scaling = rotary.compute_default_rope_parameters(text, **kwargs)
+        return inv.detach().float().cpu(), float(scaling)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](text, "cpu", layer_type=layer_type)
+    return inv.detach().float().cpu(), float(scaling)
+
+
+def _rotary_class(text_config: Any) -> Any:
+    """The transformers class that computes the RoPE of ``text_config``'s model (its
+    ``*RotaryEmbedding``, which knows the model's own reading of the default RoPE, such as a
+    partial rotary factor), or ``None``."""
+    import sys
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(getattr(text_config, "model_type", None) or "")
+    model_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    if model_class is None:
+        return None
+    module = sys.modules[model_class.__module__]
+    for attr in dir(module):
+        cls = getattr(module, attr)
+        if attr.endswith("RotaryEmbedding") and hasattr(cls, "compute_default_rope_parameters"):
+            return cls
+    return None

@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 
 from kvlib.caches.base import check_states, row_indices
 from kvlib.caches.eviction.cache import EvictionLayer
+from kvlib.caches.kvquant import KVQuantLayer
 from kvlib.caches.quantized import QuantizedKVLayer
 from kvlib.caches.sliding import SlidingWindowLayer
 from kvlib.caches.turboquant import TurboQuantLayer
+from kvlib.quant.kvquant import KVQuantizer
 from kvlib.quant.turboquant import TurboQuantizer
 
 LAYERS = {
@@ -22,6 +24,9 @@ LAYERS = {
     "turboquant": lambda: TurboQuantLayer(TurboQuantizer(32, 3, 3)),
     "turboquant-window": lambda: TurboQuantLayer(
         TurboQuantizer(32, 2, 4), sink_tokens=2, residual_length=16, center_keys=True
+    ),
+    "kvquant": lambda: KVQuantLayer(
+        KVQuantizer(32, 3, 2), 1 / 10_000 ** (torch.arange(16) / 16), 1.0, 2, 16
     ),
 }
 

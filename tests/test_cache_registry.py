@@ -55,6 +55,11 @@ def test_cache_info_parses_every_name():
             else:  # vLLM's dtype names, round trip
                 assert tq.VLLM_PRESETS[name.replace("-", "_")] == (kb, vb)
                 assert info.residual_tokens == 0
+        elif info.family == "kvquant":
+            kb, vb = info.options["key_bits"], info.options["value_bits"]
+            assert info.bits == kb == vb == info.cache_bits(32) and info.group_size
+            assert f"-{kb}bit" in name and info.options["nuq"] != name.endswith("-uniform")
+            assert info.residual_tokens > 0
         elif info.family == "evict":
             assert info.budgeted and info.policy and name.startswith(f"evict-{info.policy}")
             assert (info.bits, info.group_size is None) == (

@@ -23,7 +23,7 @@ SECTION_RUNS = {
     "Quantization kernels (kvlib.quant.tensor)": "quant",
     "Quantized KV cache in transformers (kvlib.caches.quantized vs HF QuantizedCache)": "cache",
     "PCA transform coding (kvlib.kvtc.pca)": "pca",
-    "TurboQuant at equal bits (benchmarks/bench_turboquant.py)": "turboquant",
+    "TurboQuant and KVQuant at equal bits (benchmarks/bench_turboquant.py)": "turboquant",
     "Serving simulation (300 requests, seed 0, 1 GiB KV, max_len 2048)": "paged",
     "Parallel sampling in the simulation (75 requests x 4 samples, paged 16)": "paged",
     "Prefix sharing: 4 parallel samples of a 1024-token prompt (block size 16)": "paged",

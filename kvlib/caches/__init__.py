@@ -11,7 +11,9 @@ module            what it holds                                                 
 ``layout``        the quantized cache's defaults, as numbers (no torch)            03, 04
 ``quantized``     a quantized KV cache (KIVI layout, rotation, windows)            04
 ``sliding``       a sliding-window layer for hybrid models' sliding layers        04, 11
+``coded``         the layer a key/value codec fills: sinks, encoded blocks, window 05
 ``turboquant``    TurboQuant's cache: vLLM's layout, or kvlib's (sinks, window)   05
+``kvquant``       KVQuant's cache: pre-RoPE keys, nuq levels, sparse outliers      05
 ``eviction``      caches that keep a budget of tokens per layer (a package)       11
 ``blocks``        the block allocator behind paged caches                         07
 ``paged``         paged attention, the paged transformers cache                   07
@@ -28,8 +30,10 @@ from types import ModuleType
 __all__ = [
     "base",
     "blocks",
+    "coded",
     "eviction",
     "hf_probe",
+    "kvquant",
     "layout",
     "paged",
     "quantized",

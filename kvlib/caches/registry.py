@@ -23,6 +23,10 @@ name                          cache
                               ``-4bit-nc``, ``-k3v4-nc``, ``-3bit-nc``)
 ``turboquant-4bit-centered``  the same codec in kvlib's layout (sinks, a float16 window, keys
 … ``-2bit-centered``          centred per block)
+``kvquant-4bit`` …            :class:`kvlib.caches.kvquant.KVQuantCache`: KVQuant's pre-RoPE
+``-2bit``                     per-channel keys, per-block non-uniform levels and 1 % sparse
+                              outliers, in kvlib's layout (sinks, a float16 window)
+``kvquant-4bit-uniform`` …    the same with evenly spaced levels (no nuq)
 ``paged``                     :class:`kvlib.caches.paged.PagedCache` (notebook 07): the model's
                               dtype in fixed-size blocks of one shared pool; pass
                               ``num_blocks=`` (and ``block_size=``, default 16)
@@ -59,8 +63,8 @@ from typing import Any
 import torch
 
 from kvlib import compat, memory
+from kvlib.caches import kvquant, paged, turboquant
 from kvlib.caches import layout as cache_layout
-from kvlib.caches import paged, turboquant
 from kvlib.caches import quantized as kvcache
 from kvlib.caches.eviction import cache as eviction
 from kvlib.caches.sliding import SlidingWindowLayer
@@ -92,6 +96,7 @@ FAMILIES: tuple[str, ...] = (
     "hqq",
     "fp8",
     "turboquant",
+    "kvquant",
     "evict",
     "paged",
 )
@@ -181,6 +186,9 @@ class CacheInfo:
         if self.family == "turboquant":
             turboquant.TurboQuantCache(config, **merged)  # bad options fail here, not at first use
             return lambda: turboquant.TurboQuantCache(config, **merged)
+        if self.family == "kvquant":
+            kvquant.KVQuantCache(config, **merged)  # bad options fail here, not at first use
+            return lambda: kvquant.KVQuantCache(config, **merged)
         if self.family == "fp8":
             if merged:
                 raise ValueError(f"{self.name!r} takes no options (got {sorted(merged)})")
@@ -382,6 +390,41 @@ def _turboquant_entries() -> list[CacheInfo]:
     return out
 
 
+#: The memory prediction's group for KVQuant: a block's per-channel (keys) or per-token
+#: (values) minimum and maximum, its levels and its 1 % of outliers (float16 value and int16
+#: position each: 0.32 bits per value) come to under 0.9 bits per value for a head_dim of 64 or
+#: more; one fp16 scale and zero point per 32 values (1 bit) bounds them.
+_KVQ_GROUP = 32
+
+
+def _kvquant_entries() -> list[CacheInfo]:
+    """KVQuant's recipe at 4, 3 and 2 bits in kvlib's layout, with and without its non-uniform
+    levels."""
+    init = inspect.signature(kvquant.KVQuantCache.__init__).parameters
+    residual, sinks = init["residual_length"].default, init["sink_tokens"].default
+    share = init["outlier_fraction"].default
+    out = []
+    for bits in (4, 3, 2):
+        for nuq, suffix, levels in (
+            (True, "", "per-block Lloyd levels"),
+            (False, "-uniform", "uniform levels"),
+        ):
+            out.append(
+                CacheInfo(
+                    f"kvquant-{bits}bit{suffix}",
+                    "kvquant",
+                    bits,
+                    _KVQ_GROUP,
+                    residual + sinks,
+                    f"KVQuant {bits}-bit: pre-RoPE per-channel keys, per-token values, {levels}, "
+                    f"{share:.0%} sparse outliers; {sinks} sinks and a {residual}-token window in "
+                    "float16",
+                    MappingProxyType({"key_bits": bits, "value_bits": bits, "nuq": nuq}),
+                )
+            )
+    return out
+
+
 # ---------------------------------------------------------------------- token eviction
 
 
@@ -483,6 +526,7 @@ _ENTRIES: dict[str, CacheInfo] = {
         *_kvlib_entries(),
         *_hf_entries(),
         *_turboquant_entries(),
+        *_kvquant_entries(),
         *_eviction_entries(),
         _PAGED,
     )

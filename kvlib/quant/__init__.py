@@ -12,6 +12,8 @@ module        what it holds                                                   no
 ``recipes``   KV quantization recipes (KIVI layout, rotation, windows)        02, 03
 ``turboquant``  TurboQuant's codec: rotated keys on one fixed codebook and a    05
               norm (or float8), per-token values; vLLM's presets; QJL
+``kvquant``   KVQuant's codec: per-channel or per-token codes with Lloyd      05
+              levels and a sparse table of outliers
 ============  ==============================================================  ==========
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["codebook", "packing", "recipes", "rotation", "tensor", "turboquant"]
+__all__ = ["codebook", "kvquant", "packing", "recipes", "rotation", "tensor", "turboquant"]
 
 
 def __getattr__(name: str) -> ModuleType:
