@@ -19,7 +19,14 @@ import torch
 
 from kvlib import compat
 
-__all__ = ["BatchRows", "ByteCounts", "WholeSequence", "check_states", "row_indices"]
+__all__ = [
+    "BatchRows",
+    "ByteCounts",
+    "WholeSequence",
+    "check_states",
+    "fill_sinks",
+    "row_indices",
+]
 
 
 def check_states(key_states: Any, value_states: Any) -> None:
@@ -49,6 +56,16 @@ def row_indices(rows: Any, device: torch.device) -> torch.Tensor:
     if rows.dtype == torch.bool:
         rows = rows.nonzero().flatten()
     return rows.long()
+
+
+def fill_sinks(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[Any, Any]:
+    """Move the first of ``keys``/``values`` ``(batch, kv_heads, n, head_dim)`` into the layer's
+    ``sink_keys``/``sink_values`` until it holds ``sink_tokens`` of them; returns the rest."""
+    take = min(max(layer.sink_tokens - layer.sink_keys.shape[2], 0), keys.shape[2])
+    if take:
+        layer.sink_keys = torch.cat([layer.sink_keys, keys[:, :, :take]], dim=2)
+        layer.sink_values = torch.cat([layer.sink_values, values[:, :, :take]], dim=2)
+    return keys[:, :, take:], values[:, :, take:]
 
 
 class BatchRows:

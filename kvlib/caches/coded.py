@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvlib.caches.base import BatchRows, WholeSequence, check_states, row_indices
+from kvlib.caches.base import BatchRows, WholeSequence, check_states, fill_sinks, row_indices
 from kvlib.validate import check_int
 
 __all__ = ["Codec", "CodedLayer"]
@@ -160,12 +160,7 @@ class CodedLayer(WholeSequence, BatchRows, CacheLayerMixin):
             self.window_keys = torch.cat([self.window_keys, k], dim=2)
             self.window_values = torch.cat([self.window_values, v], dim=2)
             return
-        have = self.sink_keys.shape[2]
-        if have < self.sink_tokens:
-            take = min(self.sink_tokens - have, k.shape[2])
-            self.sink_keys = torch.cat([self.sink_keys, k[:, :, :take]], dim=2)
-            self.sink_values = torch.cat([self.sink_values, v[:, :, :take]], dim=2)
-            k, v = k[:, :, take:], v[:, :, take:]
+        k, v = fill_sinks(self, k, v)
         if k.shape[2] == 0:
             return
         r = self.residual_length

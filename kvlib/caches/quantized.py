@@ -86,7 +86,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib import compat
-from kvlib.caches.base import BatchRows, ByteCounts, WholeSequence, check_states, row_indices
+from kvlib.caches.base import (
+    BatchRows,
+    ByteCounts,
+    WholeSequence,
+    check_states,
+    fill_sinks,
+    row_indices,
+)
 from kvlib.caches.layout import (
     RESIDUAL_LENGTH,
     SINK_TOKENS,
@@ -304,12 +311,7 @@ class QuantizedKVLayer(WholeSequence, BatchRows, CacheLayerMixin):
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         k, v = self._to_window(key_states), self._to_window(value_states)
-        have = self.sink_keys.shape[2]
-        if have < self.sink_tokens:
-            take = min(self.sink_tokens - have, k.shape[2])
-            self.sink_keys = torch.cat([self.sink_keys, k[:, :, :take]], dim=2)
-            self.sink_values = torch.cat([self.sink_values, v[:, :, :take]], dim=2)
-            k, v = k[:, :, take:], v[:, :, take:]
+        k, v = fill_sinks(self, k, v)
         if k.shape[2] == 0:
             return
         rk = torch.cat([self.residual_keys, k], dim=2)

@@ -400,9 +400,9 @@ _KVQ_GROUP = 32
 def _kvquant_entries() -> list[CacheInfo]:
     """KVQuant's recipe at 4, 3 and 2 bits in kvlib's layout, with and without its non-uniform
     levels."""
-    init = inspect.signature(kvquant.KVQuantCache.__init__).parameters
-    residual, sinks = init["residual_length"].default, init["sink_tokens"].default
-    share = init["outlier_fraction"].default
+    init = kvquant.KVQuantCache.__init__
+    residual, sinks = _default(init, "residual_length"), _default(init, "sink_tokens")
+    share = _default(init, "outlier_fraction")
     out = []
     for bits in (4, 3, 2):
         for nuq, suffix, levels in (

@@ -243,7 +243,9 @@ def decode_block(enc: SparseBlocks, dtype: torch.dtype = torch.float32) -> torch
     return x.view(b, h, n * t, d).to(dtype)
 
 
-def block_nbytes(tokens: int, head_dim: int, bits: int, axis: str, fraction: float, nuq: bool):
+def block_nbytes(
+    tokens: int, head_dim: int, bits: int, axis: str, fraction: float, nuq: bool
+) -> int:
     """Bytes one block of one head takes (codes, minima and maxima, levels, outliers)."""
     lengths = head_dim if axis == "channel" else tokens
     levels = 2 * (1 << bits) if nuq else 0
