@@ -71,7 +71,7 @@ def _kernel_line(results: Mapping[str, Any]) -> TechniqueLine:
     run = kvresults.run("kernel", results)
     row = run["attention"]["b1-32768"]
     return TechniqueLine(
-        "Fused decode kernel (09)",
+        "Fused decode kernel (10)",
         f"reads {row['fp16_bytes'] / row['int4_bytes']:.3g}× fewer bytes per step at int4 than fp16 "
         "(Llama-3.1-8B layer, 32k tokens)",
         f"{row['fused_int4_us'] / row['fp16_sdpa_us']:.3g}× fp16 SDPA's time on an H200: it reads "
@@ -85,7 +85,7 @@ def _eviction_line(results: Mapping[str, Any]) -> TechniqueLine:
     key = kvresults.best(run)[BestKey(Fraction(1, 4), "eviction+int4")]
     row, ref = run["rows"][str(key)], run["rows"][str(kvresults.reference(run))]
     return TechniqueLine(
-        f"Token eviction (10, {key.cache})",
+        f"Token eviction (11, {key.cache})",
         "1/4 of the fp16 bytes per sequence (int4 storage of the kept tokens)",
         f"perplexity {row['perplexity_delta_pct_mean']:+.2g} % on average; pass key found "
         f"{row['retrieval_1024']:.0%} at 1k tokens, {row['retrieval_2048']:.0%} at 2k "
@@ -128,7 +128,7 @@ def series_summary(results: Mapping[str, Any] | None = None) -> list[TechniqueLi
         ),
         *(_quant_line(s, results) for s in ("int8", "int4", "int2")),
         TechniqueLine(
-            "PCA transform coding (05)",
+            "PCA transform coding (06)",
             f"idle caches {_span(pca_rows, 'x_smaller_than_fp16', '×')} smaller than fp16 "
             "(cross-layer basis)",
             f"perplexity {_span(pca_rows, 'perplexity_delta_pct', ' %', '+')}; encode "
@@ -137,7 +137,7 @@ def series_summary(results: Mapping[str, Any] | None = None) -> list[TechniqueLi
             "a storage format between turns, not the hot path; basis stored once per model",
         ),
         TechniqueLine(
-            "PagedAttention (06)",
+            "PagedAttention (07)",
             f"waste {serving['paged-16']['waste_pct']:.3g} % (blocks of 16) vs "
             f"{serving['contiguous-max']['waste_pct']:.3g} % contiguous-max",
             f"block-table gather in attention: {min(slow):.3g}× to {max(slow):.3g}× dense "

@@ -117,6 +117,30 @@ def test_8b_on_24gb_at_32k_four_users_int4(meas):
         assert "int4 (kvlib-int4): quality cost not measured" in note and "%" not in note
 
 
+def test_a_4_bit_cache_plan_says_when_8_bit_weights_would_keep_8_bit_kv():
+    """Four users at 32k on 24 GiB fit only at int4 with 16-bit weights; with 8-bit weights the
+    whole request fits at int8. The plan keeps the user's weights and says so in a watch line,
+    with both KV types' measured costs, and the 8-bit-weight plan agrees with the line."""
+    p = recommend("llama-3.1-8b", 24, 32768, concurrency=4)
+    line = next(w for w in p.watch if w.startswith("8-bit weights would leave the cache"))
+    eight = recommend("llama-3.1-8b", 24, 32768, concurrency=4, weight_bits=8)
+    assert (eight.status, eight.kv) == ("ok", "int8")
+    assert (
+        f"at int8 ({eight.kv_type} on {eight.engine}) instead of int4 (q4_0 on llama.cpp)" in line
+    )
+    measured = engines.measured_llama_cpp()
+    assert f"{measured['q4_0']:+.3g} %" in line and "bench_engines.py" in line
+    assert "not measured here" in line
+    # nothing to say where the plan already keeps 8 bits, or the weights are already 8-bit
+    assert not any(w.startswith("8-bit weights would") for w in eight.watch)
+    chat = recommend("llama-3.1-8b", 79.65, 8192, concurrency=64)
+    assert chat.kv == "int8" and not any("would leave the cache" in w for w in chat.watch)
+    # with no measurements the line still names the trade and cites nothing
+    bare = recommend("llama-3.1-8b", 24, 32768, concurrency=4, results={})
+    line = next(w for w in bare.watch if w.startswith("8-bit weights would leave the cache"))
+    assert "as measured" not in line and "%" not in line
+
+
 def test_70b_on_2x80gb_tensor_parallel():
     # worst case (every sequence at 32k): llama.cpp's layer split at q4_0 guarantees more
     worst = recommend("llama-3.1-70b", 80, 32768, concurrency=16, num_gpus=2, results={})

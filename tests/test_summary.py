@@ -125,3 +125,30 @@ def test_model_rows_pair_the_caches_measured_on_both_models():
     assert "Other-1B Δ ppl %" in text and "SmolLM2-135M Δ ppl %" in text
     assert text.splitlines()[2].split()[:4] == ["kvlib-int4", "+0.0786", "3.14", "+0.3"]
     assert summary.model_rows(results={"schema_version": 1, "runs": {}}) == []
+
+
+def test_each_line_names_the_notebook_that_teaches_it():
+    """The notebook number in a technique's label is the notebook of that name in the course
+    (notebooks/series.toml), so renumbering the series cannot leave the table pointing at the
+    wrong notebook."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    course = tomllib.loads(
+        (Path(__file__).resolve().parents[1] / "notebooks" / "series.toml").read_text()
+    )
+    short = {int(nb["file"][:2]): nb["short"].lower() for nb in course["notebook"]}
+    expected = {
+        "GQA": ["memory math"],
+        "KV cache": ["int8 quantization", "int4 / int2", "quantized cache in transformers"],
+        "PCA transform coding": ["pca transform coding"],
+        "PagedAttention": ["pagedattention"],
+        "Fused decode kernel": ["fused decode kernel"],
+        "Token eviction": ["token eviction"],
+    }
+    for line in summary.series_summary():
+        first, last = re.search(r"\((\d\d)(?:–(\d\d))?", line.technique).groups()
+        numbers = range(int(first), int(last or first) + 1)
+        topic = next(t for t in expected if t in line.technique)
+        assert [short[n] for n in numbers] == expected[topic], line.technique

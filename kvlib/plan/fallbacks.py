@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlib.memory import GIB
+from kvlib.plan.engines import LEVELS
 from kvlib.plan.rule import (
     HEADROOM_FRACTION,
     QUALITIES,
@@ -27,7 +28,7 @@ from kvlib.plan.rule import (
     valid_tp,
 )
 
-__all__ = ["Fallbacks", "fallbacks"]
+__all__ = ["Fallbacks", "fallbacks", "lower_weight_bits_upgrade"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,26 @@ class Fallbacks:
     memory_gib: float = 0.0
 
 
+def _whole_request_on(
+    d: Decision,
+    *,
+    quality: str | None = None,
+    weight_bits: int | None = None,
+    tp: int | None = None,
+) -> tuple[str, str] | None:
+    """``(engine, setting)`` the request of ``d`` gets with one or two of its values changed,
+    if all of it then fits (engines in the rule's order for the request); else None."""
+    tp = tp or d.tensor_parallel_size
+    budget = memory_budget(d.spec, d.device, d.gpu_memory_gb, weight_bits or d.weight_bits, tp)
+    q = quality or d.quality
+    for engine in engine_candidates(d.device, d.concurrency, tp):
+        fits = sequences_by_level(d.spec, budget, d.context_len, tp, engine)
+        kv, status = choose_setting(fits, q, d.concurrency)
+        if status == "ok":
+            return engine, kv
+    return None
+
+
 def _whole_request_with(
     d: Decision,
     *,
@@ -68,14 +89,22 @@ def _whole_request_with(
 ) -> str | None:
     """The setting the request of ``d`` gets with one or two of its values changed, if all of
     it then fits; else None."""
-    tp = tp or d.tensor_parallel_size
-    budget = memory_budget(d.spec, d.device, d.gpu_memory_gb, weight_bits or d.weight_bits, tp)
-    q = quality or d.quality
-    for engine in engine_candidates(d.device, d.concurrency, tp):
-        fits = sequences_by_level(d.spec, budget, d.context_len, tp, engine)
-        kv, status = choose_setting(fits, q, d.concurrency)
-        if status == "ok":
-            return kv
+    found = _whole_request_on(d, quality=quality, weight_bits=weight_bits, tp=tp)
+    return found[1] if found else None
+
+
+def lower_weight_bits_upgrade(d: Decision) -> tuple[int, str, str] | None:
+    """For a plan that fits only with a KV cache below 8 bits: ``(weight_bits, engine,
+    setting)`` with the highest lower weight precision at which the whole request fits at a
+    higher KV level (a serving engineer quantizes the weights to 8 bits before the cache to 4),
+    else None."""
+    if not d.fits or d.kv not in ("int4", "int2"):
+        return None
+    order = list(LEVELS)
+    for wb in (b for b in WEIGHT_BITS if b < d.weight_bits):
+        found = _whole_request_on(d, weight_bits=wb)
+        if found and order.index(found[1]) < order.index(d.kv):
+            return wb, *found
     return None
 
 

@@ -22,7 +22,7 @@ from kvlib.keys import BestKey, RetrievalColumn
 from kvlib.plan import engine_support, engines
 from kvlib.plan import rule as plan_rule
 from kvlib.plan.engines import EngineKV
-from kvlib.plan.fallbacks import Fallbacks
+from kvlib.plan.fallbacks import Fallbacks, lower_weight_bits_upgrade
 from kvlib.plan.rule import (
     KV_SETTINGS,
     QUALITY_LADDER,
@@ -464,6 +464,8 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
             + (f" (measured {_fmt_pct(delta)} perplexity)" if delta is not None else "")
             + "; keep recent tokens in full precision and evaluate before serving"
         )
+    if upgrade := lower_weight_bits_upgrade(d):
+        out.append(_weights_before_cache(d, *upgrade, results))
     if spec.num_sliding_layers > 0 and d.engine == "transformers" and d.kv not in (None, "fp16"):
         out.append(
             f"sliding-window layers: kvlib's cache keeps the {spec.num_sliding_layers} "
@@ -513,6 +515,39 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
             + "; ".join(f"{e}: {what}" for e, what in engines.TOKEN_EVICTION.items())
         )
     return tuple(out)
+
+
+def _measured_note(t: EngineKV, results: Mapping[str, Any]) -> str | None:
+    """The measured cost of one engine's KV type, in the words of the plan's ``why:`` lines;
+    None when the project has not measured it."""
+    if t.level == "fp16":
+        return f"{_label(t)} ({t.engine}): the engine's full-precision cache"
+    measured = engines.measured_llama_cpp(results) if t.engine == "llama.cpp" else {}
+    if t.name in measured:
+        return _llama_cpp_note(t, measured, results)
+    if t.engine == "vllm" and t.name in engines.measured_vllm(results):
+        return _vllm_note(t, results)
+    if t.engine == "transformers" and t.measured_as is not None and t.level is not None:
+        return quality_note(t.level, results, t.measured_as, label=_label(t))
+    return None
+
+
+def _weights_before_cache(
+    d: Decision, weight_bits: int, engine: str, setting: str, results: Mapping[str, Any]
+) -> str:
+    """The watch line for a plan that fits only below 8-bit KV while lower-bit weights would
+    let the whole request fit at a higher KV level: both KV types' measured costs, and the
+    weights' cost left to the user (this project does not measure it)."""
+    t = plan_rule.kv_types(engine, d.spec, d.device)[setting]
+    line = (
+        f"{weight_bits}-bit weights would leave the cache more room: with weight_bits="
+        f"{weight_bits} the whole request fits at {setting} ({_label(t)} on {engine}) instead of "
+        f"{d.kv} ({d.kv_type} on {d.engine})"
+    )
+    notes = [n for n in (_measured_note(t, results), _measured_note(d.kv_storage, results)) if n]
+    if notes:
+        line += ". The KV side of that trade, as measured: " + "; ".join(notes)
+    return line + ". Weigh it against the weights' own cost on your model (not measured here)"
 
 
 def _sequences(n: int) -> str:
