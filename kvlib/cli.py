@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 from kvlib import memory, specs
 from kvlib.memory import GIB
 from kvlib.plan import planner as plan
-from kvlib.plan.rule import DEVICES, QUALITIES, WEIGHT_BITS
+from kvlib.plan.rule import DEVICES, PREFILL_CHUNK_TOKENS, QUALITIES, WEIGHT_BITS
 from kvlib.results import RESULTS_ENV
 from kvlib.validate import check_int, check_number
 
@@ -328,8 +328,11 @@ def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
         try:
             t = p.to_transformers()
             lines.append(
-                f"transformers: model.generate(..., past_key_values=kvlib.caches.registry."
-                f"make_cache({t['cache']!r}, model.config)), batch of {t['batch_size']}"
+                "transformers: cache = kvlib.compat.prefill_cache(model, prompt_ids[:, :-1], "
+                f"chunk_size={PREFILL_CHUNK_TOKENS}, cache=kvlib.caches.registry.make_cache("
+                f"{t['cache']!r}, model.config)); model.generate(prompt_ids, past_key_values="
+                f"cache, ...), batch of {t['batch_size']} (prefilled in chunks: the plan's "
+                f"activations allow {PREFILL_CHUNK_TOKENS:,} tokens at a time)"
             )
         except ValueError as exc:
             lines.append(f"transformers: {exc}")

@@ -12,7 +12,7 @@ the helpers below, so a rename is fixed here once:
 - :func:`dynamic_cache` / :func:`hf_quantized_cache` — build transformers' own caches;
 - :func:`dynamic_cache_from` / :func:`cache_tensors` / :func:`clone_cache` — a DynamicCache from
   per-layer tensors, its tensors back, a deep copy (notebook 06);
-- :func:`prefill_cache` — run a prefix through a model and keep its DynamicCache;
+- :func:`prefill_cache` — run a prefix through a model, in chunks if asked, into a cache;
 - :func:`layer_types` — the attention layer types a config declares;
 - :func:`layer_windows` — each layer's sliding window (``None`` for full attention), for
   the caches that serve full and sliding-window layers only;
@@ -245,14 +245,21 @@ def clone_cache(cache: Any) -> Any:
     return dynamic_cache_from([(k.clone(), v.clone()) for k, v in cache_tensors(cache)])
 
 
-def prefill_cache(model: Any, input_ids: torch.Tensor, chunk_size: int | None = None) -> Any:
-    """Run ``input_ids`` ``(batch, seq_len)`` through the model; return the filled DynamicCache.
+def prefill_cache(
+    model: Any, input_ids: torch.Tensor, chunk_size: int | None = None, cache: Any = None
+) -> Any:
+    """Run ``input_ids`` ``(batch, seq_len)`` through the model; return the filled cache.
 
-    ``chunk_size`` feeds the prefix in pieces (same cache, less peak memory). Forward passes go
-    through :func:`forward`.
+    ``chunk_size`` feeds the prefix in pieces (the same cache, less peak memory: activations
+    for ``chunk_size`` tokens at a time instead of the whole prompt). ``cache`` is the cache to
+    fill (any transformers ``Cache``, e.g. ``kvlib.caches.registry.make_cache(name,
+    model.config)``); None fills a new DynamicCache. Generating from the filled cache with the
+    whole prompt (``model.generate(input_ids, past_key_values=cache, ...)``) runs only the
+    tokens the cache does not hold yet. Forward passes go through :func:`forward`.
 
     Raises:
-        TypeError: ``input_ids`` is not an integer tensor, or ``chunk_size`` not an int.
+        TypeError: ``input_ids`` is not an integer tensor, ``chunk_size`` not an int, or
+            ``cache`` not a transformers Cache.
         ValueError: ``input_ids`` not ``(batch, seq_len)`` with ``seq_len >= 1``, or
             ``chunk_size < 1``.
     """
@@ -260,7 +267,12 @@ def prefill_cache(model: Any, input_ids: torch.Tensor, chunk_size: int | None = 
     if ids.shape[1] < 1:
         raise ValueError("input_ids must hold at least 1 token per row (got 0)")
     step = ids.shape[1] if chunk_size is None else check_int(chunk_size, "chunk_size", minimum=1)
-    cache = dynamic_cache(model.config)
+    from transformers.cache_utils import Cache
+
+    if cache is None:
+        cache = dynamic_cache(model.config)
+    elif not isinstance(cache, Cache):
+        raise TypeError(f"cache must be a transformers Cache or None (got {type(cache).__name__})")
     for start in range(0, ids.shape[1], step):
         forward(model, ids[:, start : start + step], cache)
     return cache

@@ -74,8 +74,9 @@ def test_plan_text_and_json(capsys):
     budget = json.loads(capsys.readouterr().out)["budget"]["kv_budget_bytes"]
     int4 = memory.kv_cache_bytes(specs.get_spec("llama-3.1-8b"), 32768, 1, 4, group_size=32)
     assert (
-        "transformers: model.generate(..., past_key_values=kvlib.caches.registry.make_cache("
-        f"'kvlib-int4', model.config)), batch of {min(16, budget // int4)}"
+        "transformers: cache = kvlib.compat.prefill_cache(model, prompt_ids[:, :-1], "
+        "chunk_size=2048, cache=kvlib.caches.registry.make_cache('kvlib-int4', model.config)); "
+        f"model.generate(prompt_ids, past_key_values=cache, ...), batch of {min(16, budget // int4)}"
     ) in out
     assert main([*argv, "--concurrency", "4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

@@ -70,3 +70,25 @@ def test_chunked_prefill_fills_the_same_cache(model, eval_ids) -> None:
         assert torch.allclose(k, k2, atol=1e-4) and torch.allclose(v, v2, atol=1e-4)
     with pytest.raises(ValueError, match="chunk_size"):
         compat.prefill_cache(model, ids, chunk_size=0)
+
+
+def test_prefill_fills_a_given_cache_and_generate_goes_on_from_it(model, eval_ids) -> None:
+    """A cache filled in chunks serves ``generate`` on the whole prompt: the next-token logits
+    match one pass over the prompt, and generation adds only the new tokens to it."""
+    from kvlib.caches import registry
+
+    ids = eval_ids[:, :80]
+    whole = compat.forward(model, ids, compat.dynamic_cache(model.config)).logits[:, -1]
+    for name in ("dynamic-fp32", "kvlib-int4"):
+        cache = compat.prefill_cache(
+            model, ids[:, :-1], chunk_size=32, cache=registry.make_cache(name, model.config)
+        )
+        assert cache.get_seq_length() == 79
+        out = compat.generate(model, ids, cache, max_new_tokens=5, do_sample=False)
+        assert out.shape == (1, 85) and torch.equal(out[:, :80], ids)
+        assert cache.get_seq_length() == 84  # the prompt's last token and 4 of the 5 new ones
+    fp32 = compat.prefill_cache(model, ids[:, :-1], chunk_size=32)
+    last = compat.forward(model, ids[:, -1:], fp32).logits[:, -1]
+    assert torch.allclose(last, whole, atol=1e-4)
+    with pytest.raises(TypeError, match="transformers Cache"):
+        compat.prefill_cache(model, ids, cache=object())
