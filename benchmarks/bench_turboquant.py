@@ -12,7 +12,7 @@ to kvlib-int4's, and of storing a 4096-token prompt, per token. Prints Markdown 
 writes run ``"turboquant"`` of ``kvlib/results.json`` (``"turboquant/<model>"`` for another
 model), rows keyed by :mod:`kvlib.caches.registry` names.
 
-    .venv/bin/python benchmarks/bench_turboquant.py               # ~15 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_turboquant.py               # ~40 minutes on 2 cores
     .venv/bin/python benchmarks/bench_turboquant.py --segments 2 --trials 2 --no-json
 """
 
@@ -38,13 +38,14 @@ from kvlib.caches import registry
 from kvlib.eval import quality, retrieval
 from kvlib.specs import kv_geometry
 
-#: The caches compared (the fp32 reference is added first): kvlib's KIVI caches, transformers'
-#: quanto, HQQ and fp8 caches, vLLM's four TurboQuant dtypes, the same codec in kvlib's layout,
+#: The caches compared (the fp32 reference is added first): kvlib's KIVI caches (with the default
+#: 128-token window and with a 64-token one), transformers' quanto, HQQ and fp8 caches, vLLM's four TurboQuant dtypes, the same codec in kvlib's layout,
 #: and KVQuant's codec in kvlib's layout.
 CACHES = (
     "kvlib-int4",
     "kvlib-int3",
     "kvlib-int2",
+    *(n for n in registry.CACHE_NAMES if n.startswith("kvlib-") and n.endswith("-w64")),
     "quanto-int4",
     "quanto-int2",
     "hqq-int4",

@@ -138,6 +138,49 @@ def test_variants_build_the_cache_their_name_says(config):
         cache_registry.cache_factory("hf-fp8", config, nbits=4)
 
 
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_the_short_window_caches_hold_what_their_name_says(config, bits):
+    """``kvlib-int<b>-w64``: a 64-token window that is also the key group, every other default
+    kept; its bytes are kvlib.memory's formula; at 4096 tokens it saves more than the 64 float16
+    tokens it no longer keeps (its key groups are coarser too), and at 3 bits it holds at most a
+    quarter of the float16 cache's bytes."""
+    from kvlib import memory, specs
+
+    name = f"kvlib-int{bits}-w{cache_registry.SHORT_WINDOW}"
+    short, default = (cache_registry.make_cache(n, config) for n in (name, f"kvlib-int{bits}"))
+    assert short.residual_length == short.key_group_size == cache_registry.SHORT_WINDOW == 64
+    assert (short.key_bits, short.value_bits, short.sink_tokens, short.rotate) == (
+        default.key_bits,
+        default.value_bits,
+        default.sink_tokens,
+        default.rotate,
+    )
+    info = cache_registry.cache_info(name)
+    assert info.residual_tokens == 64 + short.sink_tokens and info.bits == bits
+    layers, heads, d = config.num_hidden_layers, config.num_key_value_heads, 64
+    tokens = 4096
+    k = torch.randn(1, heads, tokens, d)
+    for cache in (short, default):
+        for i in range(layers):
+            cache.update(k, k, i)
+    spec = specs.spec_from_config(config)
+    assert short.nbytes() == memory.quantized_cache_bytes(
+        spec,
+        tokens,
+        key_bits=bits,
+        value_bits=bits,
+        group_size=short.group_size,
+        key_group_size=64,
+        residual_length=64,
+        sink_tokens=short.sink_tokens,
+        window_bits=16,
+        rotate=short.rotate,
+    )
+    window_saved = 64 * 2 * layers * heads * d * (16 - bits) // 8  # 64 fewer fp16 tokens
+    assert short.nbytes() < default.nbytes() - window_saved
+    assert (short.nbytes() <= short.fp16_nbytes() / 4) == (bits <= 3)
+
+
 def test_check_names():
     assert cache_registry.check_names(("kvlib-int4", "dynamic-fp32")) == [
         "kvlib-int4",

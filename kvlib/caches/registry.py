@@ -12,6 +12,8 @@ name                          cache
                               (:func:`reference_name`)
 ``kvlib-int8`` … ``-int2``    :class:`kvlib.caches.quantized.QuantizedKVCache` with its defaults
 ``kvlib-int4-rot``/``-norot`` the same with the Hadamard rotation of the keys on / off
+``kvlib-int4-w64`` …         a 64-token window and one key group per 64-token block (half
+``-int2-w64``                 the window's bytes)
 ``kvlib-int4-block``          one key group per 128-token block, value groups of 32, no
                               rotation: the KIVI layout
 ``quanto-int4``, ``-int2``    transformers' ``QuantizedCache``, quanto backend, default axes
@@ -222,6 +224,11 @@ def _hf_defaults() -> tuple[int, int, int, int]:
     )
 
 
+#: The float16 window (and key block) of the ``kvlib-int*-w64`` caches, in tokens: at 4096
+#: tokens it costs a quarter of a bit per value, against half a bit for the default 128.
+SHORT_WINDOW = 64
+
+
 def _kvlib_entries() -> list[CacheInfo]:
     init = kvcache.QuantizedKVCache.__init__
     residual = _default(init, "residual_length")
@@ -256,6 +263,20 @@ def _kvlib_entries() -> list[CacheInfo]:
                 )
             )
         if bits < 8:
+            short = {"residual_length": SHORT_WINDOW, "key_group_size": SHORT_WINDOW}
+            out.append(
+                CacheInfo(
+                    f"kvlib-int{bits}-w{SHORT_WINDOW}",
+                    "kvlib",
+                    bits,
+                    min(SHORT_WINDOW, values),
+                    SHORT_WINDOW + sinks,
+                    f"kvlib int{bits} with a {SHORT_WINDOW}-token window and one key group per "
+                    f"{SHORT_WINDOW}-token block (half the default window's bytes), value groups "
+                    f"of up to {values} channels, {sinks} sinks",
+                    MappingProxyType(short),
+                )
+            )
             block = {"key_group_size": residual, "group_size": 32, "rotate": False}
             out.append(
                 CacheInfo(
