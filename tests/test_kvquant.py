@@ -70,13 +70,22 @@ def test_dense_entries_stay_within_half_a_step_and_outliers_are_exact(bits, axis
 @given(bits=BITS, axis=AXIS, seed=st.integers(0, 999))
 def test_lloyd_levels_never_code_worse_than_the_uniform_ones(bits, axis, seed):
     """Lloyd's algorithm starts from the uniform levels and each step lowers the squared error
-    (up to the float16 rounding of the levels it stores)."""
+    it fits: the error relative to each channel's (token's) range, since one codebook serves
+    every channel of a block (up to the float16 rounding of the levels it stores). The error in
+    the states' own units weighs wide channels more, so there the levels may lose a little
+    (at most 0.23 % over 6,000 blocks like these)."""
     x = _keys(1, 2, 64, 32, seed)
-    err = {}
+    reduce = 2 if axis == "channel" else 3
+    err, err_abs = {}, {}
     for nuq in (False, True):
-        y = decode_block(encode_block(x, bits, axis, 0.01, nuq))
-        err[nuq] = float(((y - x) ** 2).sum())
+        enc = encode_block(x, bits, axis, 0.01, nuq)
+        y = decode_block(enc)
+        lo = enc.low.squeeze(2).float().unsqueeze(reduce)
+        hi = enc.high.squeeze(2).float().unsqueeze(reduce)
+        err[nuq] = float((((y - x) / (hi - lo).clamp(min=1e-12)) ** 2).sum())
+        err_abs[nuq] = float(((y - x) ** 2).sum())
     assert err[True] <= err[False] * 1.001
+    assert err_abs[True] <= err_abs[False] * 1.01
     levels = encode_block(x, bits, axis, 0.01, True).levels
     assert levels.shape == (1, 2, 1, 1 << bits)
     assert bool((levels[..., 1:] >= levels[..., :-1]).all())
