@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlib import compat
 from kvlib.caches.base import ByteCounts
 from kvlib.caches.coded import CodedLayer
+from kvlib.caches.layout import RESIDUAL_LENGTH, SINK_TOKENS
 from kvlib.caches.sliding import SlidingWindowLayer
 from kvlib.quant.kvquant import KVQuantizer
 from kvlib.rope import rope_from_config, rotate_by, rotation_table
@@ -57,8 +58,8 @@ class KVQuantLayer(CodedLayer):
         quantizer: KVQuantizer,
         inv_freq: torch.Tensor | None,
         attention_scaling: float = 1.0,
-        sink_tokens: int = 4,
-        residual_length: int = 128,
+        sink_tokens: int = SINK_TOKENS,
+        residual_length: int = RESIDUAL_LENGTH,
     ) -> None:
         if not isinstance(quantizer, KVQuantizer):
             raise TypeError(f"quantizer must be a KVQuantizer (got {type(quantizer).__name__})")
@@ -132,8 +133,8 @@ class KVQuantCache(ByteCounts, Cache):
         outlier_fraction: float = 0.01,
         nuq: bool = True,
         pre_rope: bool = True,
-        sink_tokens: int = 4,
-        residual_length: int = 128,
+        sink_tokens: int = SINK_TOKENS,
+        residual_length: int = RESIDUAL_LENGTH,
     ) -> None:
         if not hasattr(config, "get_text_config"):
             raise TypeError(

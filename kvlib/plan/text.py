@@ -189,19 +189,12 @@ def _why_measured(d: Decision, results: Mapping[str, Any]) -> list[str]:
     t = d.kv_storage
     if t is None:
         return []
-    measured = engines.measured_llama_cpp(results) if d.engine == "llama.cpp" else {}
-    vllm = engines.measured_vllm(results) if d.engine == "vllm" else {}
-    if t.name in measured:
-        out = [_llama_cpp_note(t, measured, results)]
-    elif t.name in vllm and t.level != "fp16":
-        out = [_vllm_note(t, results)]
-    elif t.measured_as is not None:
-        out = [quality_note(d.kv, results, t.measured_as, label=_label(t))]
-    else:
-        out = [
-            f"{d.kv_type} ({d.engine}) is not measured here; the same bits in kvlib's layout, "
-            + quality_note(d.kv, results)
-        ]
+    note = _measured_note(t, results, proxy=True)
+    out = [
+        note
+        or f"{d.kv_type} ({d.engine}) is not measured here; the same bits in kvlib's layout, "
+        + quality_note(d.kv, results)
+    ]
     if d.engine == "transformers" and d.kv in ("int4", "int2"):
         rot = kvresults.cache_cost(f"kvlib-{d.kv}-rot", results)
         plain = kvresults.cache_cost(f"kvlib-{d.kv}", results)
@@ -517,17 +510,16 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _measured_note(t: EngineKV, results: Mapping[str, Any]) -> str | None:
-    """The measured cost of one engine's KV type, in the words of the plan's ``why:`` lines;
-    None when the project has not measured it."""
-    if t.level == "fp16":
-        return f"{_label(t)} ({t.engine}): the engine's full-precision cache"
+def _measured_note(t: EngineKV, results: Mapping[str, Any], *, proxy: bool) -> str | None:
+    """The measured cost of one engine's KV type: the engine's own run (llama.cpp's, vLLM's),
+    else the registry cache that stands for it in the cache run (``t.measured_as``: always for
+    transformers' types, for another engine's only with ``proxy``); None when neither applies."""
     measured = engines.measured_llama_cpp(results) if t.engine == "llama.cpp" else {}
     if t.name in measured:
         return _llama_cpp_note(t, measured, results)
-    if t.engine == "vllm" and t.name in engines.measured_vllm(results):
+    if t.engine == "vllm" and t.level != "fp16" and t.name in engines.measured_vllm(results):
         return _vllm_note(t, results)
-    if t.engine == "transformers" and t.measured_as is not None and t.level is not None:
+    if t.measured_as is not None and t.level is not None and (proxy or t.engine == "transformers"):
         return quality_note(t.level, results, t.measured_as, label=_label(t))
     return None
 
@@ -544,7 +536,8 @@ def _weights_before_cache(
         f"{weight_bits} the whole request fits at {setting} ({_label(t)} on {engine}) instead of "
         f"{d.kv} ({d.kv_type} on {d.engine})"
     )
-    notes = [n for n in (_measured_note(t, results), _measured_note(d.kv_storage, results)) if n]
+    pair = (t, d.kv_storage)
+    notes = [n for n in (_measured_note(x, results, proxy=False) for x in pair if x) if n]
     if notes:
         line += ". The KV side of that trade, as measured: " + "; ".join(notes)
     return line + ". Weigh it against the weights' own cost on your model (not measured here)"
