@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import re
 import sys
 import time
 import traceback
@@ -54,6 +55,7 @@ from kvlib.eval.compare import (  # noqa: E402
     run_cache_comparison,
 )
 from kvlib.eval.model_choice import DEFAULT_RANDOM_SPEC, random_model  # noqa: E402
+from kvlib.results import record_run  # noqa: E402
 from kvlib.specs import spec_from_config  # noqa: E402
 
 #: Compared with the reference DynamicCache (always run first, named for the model's dtype).
@@ -85,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-fits", action="store_true", help="skip the what-fits section")
     p.add_argument("--time-limit", type=float, default=240.0, help="seconds; later sections skip")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--record-log",
+        metavar="LOG",
+        help="write the tables of a saved log into kvlib/results.json (no run)",
+    )
+    p.add_argument("--run-name", default="gpu_check", help="results run for --record-log")
     args = p.parse_args(argv)
     if args.spec is None:
         args.spec = "smollm2-135m" if args.dry_run else DEFAULT_RANDOM_SPEC
@@ -164,8 +172,120 @@ def fits_table(rows: list[FitRow]) -> list[str]:
     return lines
 
 
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _table_after(text: str, title: str) -> list[list[str]]:
+    """Body rows (cells) of the first Markdown table under the ``### title`` heading."""
+    section = text.split(f"### {title}", 1)
+    if len(section) < 2:
+        return []
+    lines = [line.strip() for line in section[1].split("\n### ", 1)[0].splitlines()]
+    table = [line for line in lines if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+
+
+def _number(cell: str) -> float | None:
+    """``"0.0226"``, ``"1.19x"``, ``"3.36x smaller"`` -> a float; ``"-"`` -> None."""
+    word = cell.split()[0].rstrip("x") if cell.strip() else "-"
+    return None if word == "-" else float(word)
+
+
+def _gib(cell: str) -> float | None:
+    """``"6.01 GiB"`` (kvlib.memory.human_bytes) -> GiB as a float; ``"-"`` -> None."""
+    if cell.strip() == "-":
+        return None
+    value, unit = cell.split()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown byte unit {unit!r} in {cell!r}")
+    return float(value) * _UNITS[unit] / 2**30
+
+
+def _model_name(described: str) -> str:
+    """``"random weights of `smollm2-1.7b` (…; 1.711 B params, bfloat16)"`` ->
+    ``"smollm2-1.7b architecture, random weights, bfloat16"``; other text as it is."""
+    found = re.match(r"random weights of `([^`]+)` \(.*?(\w+)\)$", described.strip())
+    if not found:
+        return described.strip()
+    return f"{found.group(1)} architecture, random weights, {found.group(2)}"
+
+
+def run_from_log(text: str) -> dict[str, Any]:
+    """A ``kvlib/results.json`` run from the Markdown this script printed (a saved log).
+
+    The header gives the date, device, command, versions and model; the "Correctness" and
+    "Memory and speed" tables give one row per cache (errors, agreement, limit and status;
+    cache bytes and peak memory in GiB, decode tokens/s, speed against the reference and time
+    to first token). A section the log skipped is left out and said so in ``note``.
+
+    Raises:
+        ValueError: the text is not a GPU-check log (no header or no table).
+    """
+    head = re.search(
+        r"^## GPU check(?: \(dry run, CPU\))? · (\d{4}-\d{2}-\d{2}) [^·]*· (.+)$", text, re.M
+    )
+    command = re.search(r"^Command: `([^`]*)` · torch (\S+) · transformers (\S+)$", text, re.M)
+    model = re.search(
+        r"^Model: (.+?); context (\d+) random tokens, (\d+) new tokens, median of (\d+)\.",
+        text,
+        re.M,
+    )
+    if not (head and command and model):
+        raise ValueError("not a scripts/gpu_check.py log: its header lines are missing")
+    rows: dict[str, dict[str, Any]] = {}
+    for cache, bits, att, logits, top1, limit, status in _table_after(
+        text, "Correctness against DynamicCache"
+    ):
+        rows.setdefault(cache, {"bits": int(bits)}).update(
+            layer_0_attention_rel_err=_number(att),
+            logits_rel_err=_number(logits),
+            top_1_agreement=_number(top1),
+            limit=_number(limit),
+            status=status,
+        )
+    for cache, bits, held, smaller, peak, tok_s, speed, ttft in _table_after(
+        text, "Memory and speed per cache"
+    ):
+        rows.setdefault(cache, {"bits": int(bits)}).update(
+            cache_gib=_gib(held),
+            x_smaller_than_reference=_number(smaller),
+            peak_memory_gib=_gib(peak),
+            decode_tokens_per_s=_number(tok_s),
+            speed_vs_reference=_number(speed),
+            time_to_first_token_s=_number(ttft),
+        )
+    if not rows:
+        raise ValueError("the log holds no result table")
+    skipped = re.findall(r"^### (.+)\n+_skipped: ([^_]+)_", text, re.M)
+    errors = re.findall(r"^- (\S+): (.+)$", text, re.M)
+    device = head.group(2).strip()
+    return {
+        "source": "scripts/gpu_check.py",
+        "command": f"python {command.group(1).removeprefix('python ')}",
+        "date": head.group(1),
+        "machine": f"{device}; torch {command.group(2)}, transformers {command.group(3)}",
+        "engine": "transformers",
+        "model": _model_name(model.group(1)),
+        "settings": {
+            "context": int(model.group(2)),
+            "new_tokens": int(model.group(3)),
+            "repeats": int(model.group(4)),
+        },
+        "rows": rows,
+        "note": "; ".join(
+            [f"{title} skipped ({why.strip()})" for title, why in skipped]
+            + [f"{cache}: {what.strip()}" for cache, what in errors]
+        ),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.record_log:
+        entry = run_from_log(Path(args.record_log).read_text(encoding="utf-8"))
+        path = record_run(args.run_name, entry)
+        print(f"run {args.run_name!r} ({len(entry['rows'])} caches) written to {path}")
+        return 0
     t_start = time.perf_counter()
     if args.dry_run:
         device = torch.device("cpu")

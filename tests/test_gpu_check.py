@@ -36,3 +36,55 @@ def test_gpu_check_dry_run(capsys):
     # the reference is named for the model's dtype and always runs first
     assert "| dynamic-fp32 | 32 | 0.0000 | 0.0000 | 1.000 | - | reference |" in out
     assert "| cache | bits | cache bytes | vs dynamic-fp32 |" in out
+
+
+H200_LOG = ROOT / "benchmarks" / "gpu_h200_2026-12-04" / "gpu_check.log"
+
+
+def test_run_from_log_reads_every_cell_of_the_h200_log():
+    """Every number of the log's two tables lands in the run, under its cache."""
+    gpu_check = _load_gpu_check()
+    text = H200_LOG.read_text(encoding="utf-8")
+    run = gpu_check.run_from_log(text)
+    assert run["date"] == "2026-12-04" and run["machine"].startswith("NVIDIA H200;")
+    assert run["model"] == "smollm2-1.7b architecture, random weights, bfloat16"
+    assert run["settings"] == {"context": 32768, "new_tokens": 32, "repeats": 2}
+    assert list(run["rows"]) == ["dynamic-bf16", "kvlib-int8", "kvlib-int4", "kvlib-int2"]
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if not line.startswith("| ") or cells[0] not in run["rows"]:
+            continue
+        row = run["rows"][cells[0]]
+        for cell in cells[1:]:
+            word = cell.split()[0].rstrip("x")
+            if word in ("-", "PASS", "FAIL", "reference"):
+                continue
+            assert any(v == float(word) for v in row.values() if isinstance(v, (int, float))), (
+                cells[0],
+                cell,
+            )
+    assert "What fits skipped" in run["note"]
+
+
+def test_the_results_file_holds_the_h200_log_as_it_is():
+    """kvlib/results.json's run "gpu_check" is the committed log, parsed (not retyped)."""
+    from kvlib import results
+
+    gpu_check = _load_gpu_check()
+    assert results.run("gpu_check") == gpu_check.run_from_log(H200_LOG.read_text(encoding="utf-8"))
+    assert "GPU (NVIDIA H200)" in results.citation(results.run("gpu_check"))
+
+
+def test_run_from_log_refuses_other_text():
+    gpu_check = _load_gpu_check()
+    import pytest
+
+    with pytest.raises(ValueError, match="header"):
+        gpu_check.run_from_log("## Something else\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    header = (
+        "## GPU check · 2026-12-04 17:58 UTC · NVIDIA H200\n\n"
+        "Command: `python scripts/gpu_check.py` · torch 2.11.0 · transformers 5.17.0\n"
+        "Model: random weights of `x` (1 layers, bfloat16); context 8 random tokens, 1 new tokens, median of 1.\n"
+    )
+    with pytest.raises(ValueError, match="no result table"):
+        gpu_check.run_from_log(header)
