@@ -50,6 +50,7 @@ __all__ = [
     "cache_costs",
     "load_results",
     "citation",
+    "device",
     "build_distance",
     "closest_model",
     "for_model",
@@ -315,6 +316,13 @@ def _device(machine: str) -> str:
     if not cpu and ("GPU" in machine or "NVIDIA" in machine):
         return f"a GPU ({first})"
     return f"a CPU ({first})" if first and first != "x86_64" else "a CPU"
+
+
+def device(entry: Mapping[str, Any]) -> str:
+    """The device a run was measured on, in a few words (``"a CPU (AMD EPYC)"``, ``"a GPU
+    (NVIDIA H200)"``), read from its ``machine`` field; ``"an unnamed machine"`` without one."""
+    machine = entry.get("machine")
+    return _device(machine) if isinstance(machine, str) and machine else "an unnamed machine"
 
 
 def citation(entry: Mapping[str, Any]) -> str:

@@ -118,6 +118,7 @@ def series_summary(results: Mapping[str, Any] | None = None) -> list[TechniqueLi
     mha = dataclasses.replace(llama8, num_kv_heads=llama8.num_heads)
     gqa = kv_bytes_per_token(mha) / kv_bytes_per_token(llama8)
     serving = paged["serving"]
+    paged_device = kvresults.device(paged)
     slow = [r["paged_per_dense"] for r in paged["attention"].values()]
     return [
         TechniqueLine(
@@ -141,7 +142,8 @@ def series_summary(results: Mapping[str, Any] | None = None) -> list[TechniqueLi
             f"waste {serving['paged-16']['waste_pct']:.3g} % (blocks of 16) vs "
             f"{serving['contiguous-max']['waste_pct']:.3g} % contiguous-max",
             f"block-table gather in attention: {min(slow):.3g}× to {max(slow):.3g}× dense "
-            "SDPA's time on this CPU (a reference implementation; fused GPU kernels close the gap)",
+            f"SDPA's time on {paged_device} (a reference implementation; fused GPU kernels close "
+            "the gap)",
             f"prefix sharing: {paged['prefix_sharing']['128']['memory_saved']:.3g} % less memory "
             "(4 samples, 128-token outputs)",
         ),

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib import memory, specs
+from kvlib import results as results_mod
 from kvlib.caches import layout as cache_layout
 from kvlib.caches import registry as cache_registry
 from kvlib.plan import engines
@@ -161,7 +162,13 @@ def test_70b_on_2x80gb_tensor_parallel():
     v = p.to_vllm()
     assert v["tensor_parallel_size"] == 2 and v["kv_cache_dtype"] == "fp8"
     assert v["max_num_seqs"] == 16 and "quantization" not in v
-    assert any(s.startswith("weight_bits=8") for s in p.suggestions)
+    # with 8-bit weights vLLM guarantees 14 of the 16 at the full context, with 4-bit weights all
+    # of them: the suggestion names the engine and KV type that request's own plan gets
+    assert "weight_bits=4: the whole request with fp8 on vllm" in p.suggestions
+    again = recommend(
+        "llama-3.1-70b", 80, 32768, 16, weight_bits=4, num_gpus=2, typical_context=2048, results={}
+    )
+    assert (again.status, again.engine, again.kv_type) == ("ok", "vllm", "fp8")
     p4 = recommend("llama-3.1-70b", 80, 32768, 16, weight_bits=4, num_gpus=2, results={})
     assert p4.fits and p4.to_vllm()["max_num_seqs"] == 16
     p8 = recommend("llama-3.1-70b", 80, 32768, 16, weight_bits=8, num_gpus=2, results={})
@@ -185,9 +192,14 @@ def test_long_document_rag_128k():
 
 def test_chat_service_64_users():
     p = recommend("llama-3.1-8b", 80, 8192, concurrency=64, results={})
-    assert (p.kv, p.engine, p.paging, p.idle_storage) == ("int8", "vllm", True, "pca")
+    assert (p.kv, p.engine, p.paging, p.idle_storage) == ("int8", "vllm", True, "prefix-caching")
     assert p.to_vllm()["max_num_seqs"] == 64
-    assert any("pca: storage figures not measured" in r for r in p.reasons)
+    idle = [r for r in p.reasons if r.startswith("64 conversations: between turns")]
+    assert len(idle) == 1 and "vLLM's prefix caching" in idle[0]
+    assert (
+        "pca: storage figures not measured" in idle[0]
+        and "vLLM cannot load a PCA-coded cache" in idle[0]
+    )
 
 
 def test_colab_t4_7b_needs_lower_weight_bits():
@@ -447,8 +459,13 @@ def test_pca_idle_storage_only_for_many_conversations():
     )
     meas = {**MEAS, "runs": {**MEAS["runs"], "pca": pca}}
     chat = recommend("llama-3.1-8b", 80, 8192, concurrency=32, results=meas)
-    assert chat.idle_storage == "pca" and chat.paging
+    # vLLM cannot load a PCA-coded cache: its own prefix caching keeps idle conversations
+    assert chat.idle_storage == "prefix-caching" and chat.paging
     assert any("6.5–9.3× smaller than fp16" in r and "+0.4 % … +0.8 %" in r for r in chat.reasons)
+    assert "finished turns kept by prefix caching" in chat.summary()
+    laptop = recommend("llama-3.1-8b", 64, 8192, concurrency=32, device="cpu", results=meas)
+    assert laptop.engine == "llama.cpp" and laptop.idle_storage == "slot-reuse"
+    assert any("--slot-save-path" in r and "llama.cpp cannot load" in r for r in laptop.reasons)
     solo = recommend("llama-3.1-8b", 80, 8192, concurrency=1, results=meas)
     assert solo.idle_storage is None and not solo.paging and solo.engine == "transformers"
     few = recommend("llama-3.1-8b", 80, 8192, concurrency=4, results=meas)
@@ -535,3 +552,33 @@ def test_to_transformers_settings_run_in_generate(model, eval_ids):
             )
         ref = out if ref is None else ref
         assert torch.equal(out, ref), kv
+
+
+def test_transformers_plans_cite_the_measured_decode_speed():
+    """A plan on transformers with a quantized kvlib cache says what that costs in speed, from the
+    kernel run's whole-model decode; without that run it says nothing it has not measured."""
+    p = recommend("llama-3.1-8b", 24, 131072, concurrency=1)
+    assert p.engine == "transformers" and p.kv not in (None, "fp16")
+    speed = [w for w in p.watch if w.startswith("speed:")]
+    decode = results_mod.run("kernel")["model_decode"]
+    q, ref = decode["rows"]["kvlib-int4 torch path"], decode["rows"]["dynamic-bf16"]
+    assert len(speed) == 1
+    assert (
+        f"{q['decode_tokens_per_s']:g} tokens/s against the bf16 cache's {ref['decode_tokens_per_s']:g}"
+        in speed[0]
+    )
+    assert "GPU (NVIDIA H200)" in speed[0] and "random weights" in speed[0]
+    bare = recommend("llama-3.1-8b", 24, 131072, concurrency=1, results={})
+    assert bare.engine == "transformers" and not any(w.startswith("speed:") for w in bare.watch)
+    fp16 = recommend("llama-3.1-8b", 80, 8192, concurrency=1)
+    assert fp16.kv == "fp16" and not any(w.startswith("speed:") for w in fp16.watch)
+
+
+def test_llama_cpp_over_vllm_on_a_gpu_says_it_is_the_worst_case():
+    p = recommend("llama-3.1-8b", 24, 32768, concurrency=4)
+    assert p.engine == "llama.cpp" and p.device == "gpu"
+    line = [w for w in p.watch if w.startswith("llama.cpp was chosen on the worst case")]
+    o = p.options["vllm"]
+    assert len(line) == 1 and f"vLLM's {o.kv_type} guarantees {o.sequences} of 4" in line[0]
+    cpu = recommend("llama-3.2-1b", 16, 8192, concurrency=4, device="cpu")
+    assert not any(w.startswith("llama.cpp was chosen") for w in cpu.watch)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvlib import memory, specs
 from kvlib.plan import engines
 from kvlib.plan import rule as plan_rule
-from kvlib.plan.fallbacks import fallbacks
+from kvlib.plan.fallbacks import Fit, fallbacks
 from kvlib.plan.rule import (
     EngineOption,
     choose_engine,
@@ -74,8 +74,14 @@ def test_choose_engine_and_idle_storage():
     opts["vllm"] = _opt("vllm", "reduced", 2, admitted=4)
     assert choose_engine("gpu", 4, 1, opts) == "vllm"
     n = plan_rule.IDLE_STORAGE_MIN_SESSIONS
-    assert idle_storage(n, "int4") == "pca" and idle_storage(n - 1, "int4") is None
-    assert idle_storage(n, None) is None  # nothing to store when nothing fits
+    # only where kvlib holds the cache can it be PCA-coded; the engines reuse their own
+    assert idle_storage(n, "int4", "transformers") == "pca"
+    assert idle_storage(n, "int4", "vllm") == "prefix-caching"
+    assert idle_storage(n, "int4", "llama.cpp") == "slot-reuse"
+    assert idle_storage(n - 1, "int4", "vllm") is None
+    assert idle_storage(n, None, "transformers") is None  # nothing to store when nothing fits
+    with pytest.raises(ValueError, match="engine must be one of"):
+        idle_storage(n, "int4", "sglang")
 
 
 def test_memory_budget_counts_gib_and_shards_weights():
@@ -202,7 +208,8 @@ def test_decide_impossible_and_reduced():
 def test_fallbacks_name_changes_that_fit():
     qwen = decide(specs.get_spec("qwen2.5-7b"), 16, 8192)
     fb = fallbacks(qwen)
-    assert fb.weight_bits == (8, "fp16") and fb.num_gpus == (2, "fp16")
+    assert fb.weight_bits == (8, Fit("transformers", "fp16", "fp16"))
+    assert fb.num_gpus == (2, Fit("vllm", "fp16", "fp16")) and str(fb.num_gpus[1]) == "fp16 on vllm"
     assert fb.num_gpus_and_weight_bits is None  # lower weight bits alone already fit
     assert fb.context_len == 0 and fb.quality is None
     # the memory it names is what the whole request needs, at the lowest allowed setting
@@ -214,7 +221,8 @@ def test_fallbacks_name_changes_that_fit():
     fb = fallbacks(big)
     assert fb.weight_bits is None  # 4-bit weights (32.9 GiB) do not fit one 24 GiB card alone
     n, wb, kv = fb.num_gpus_and_weight_bits
-    assert (n, wb) == (2, 4) and decide(big.spec, 24, 8192, 1, weight_bits=4, num_gpus=2).kv == kv
+    again = decide(big.spec, 24, 8192, 1, weight_bits=4, num_gpus=2)
+    assert (n, wb) == (2, 4) and (again.engine, again.kv) == (kv.engine, kv.setting)
 
     few = decide(LLAMA8, 24, 32768, 16)
     fb = fallbacks(few)

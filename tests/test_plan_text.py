@@ -113,11 +113,8 @@ def test_suggestions_only_when_it_does_not_fit_and_in_gib():
     d = decide(specs.get_spec("qwen2.5-7b"), 16, 8192)
     fb = fallbacks(d)
     s = plan_text.suggestions(d, fb)
-    assert s[0] == "weight_bits=8: the whole request with fp16"
-    assert s[1] == (
-        "num_gpus=2 (vLLM tensor_parallel_size=2, or llama.cpp's layer split): the whole "
-        "request with fp16"
-    )
+    assert s[0] == "weight_bits=8: the whole request with fp16 on transformers"
+    assert s[1] == "num_gpus=2 (vLLM tensor_parallel_size=2): the whole request with fp16 on vllm"
     # the memory is named at the plan's engine's lowest type (transformers: kvlib-int4)
     assert d.engine == "transformers" and d.lowest_setting == "int4"
     assert (

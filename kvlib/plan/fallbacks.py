@@ -8,7 +8,9 @@ is tried alone with :mod:`kvlib.plan.rule`'s own rule, keeping the rest of the r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvlib.memory import GIB
 from kvlib.plan.engines import LEVELS
@@ -18,17 +20,28 @@ from kvlib.plan.rule import (
     TP_CANDIDATES,
     WEIGHT_BITS,
     Decision,
-    choose_setting,
     context_that_fits,
-    engine_candidates,
+    decide,
     kv_sequence_bytes,
     kv_types,
-    memory_budget,
-    sequences_by_level,
     valid_tp,
 )
 
-__all__ = ["Fallbacks", "fallbacks", "lower_weight_bits_upgrade"]
+__all__ = ["Fallbacks", "Fit", "fallbacks", "lower_weight_bits_upgrade"]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a changed request gets when all of it fits: the engine, the precision level
+    (``"int4"``) and that engine's KV type at it (``"q4_0"``; ``"fp16"`` for the 16-bit ones),
+    as the planner would choose them for that request."""
+
+    engine: str
+    setting: str
+    kv_type: str
+
+    def __str__(self) -> str:
+        return f"{self.kv_type} on {self.engine}"
 
 
 @dataclass(frozen=True)
@@ -36,8 +49,9 @@ class Fallbacks:
     """What would fit a request that does not (status ``"reduced"`` or ``"impossible"``).
 
     Each change is tried alone, keeping the rest of the request; a field is None when that change
-    does not make the whole request fit (or was not tried). ``(value, setting)`` pairs name the
-    setting the changed request would get.
+    does not make the whole request fit (or was not tried). Each ``(value, fit)`` pair names the
+    engine, level and KV type the changed request would get (:class:`Fit`): the planner's own
+    decision for it, with the same measurements and typical context.
 
     Attributes:
         context_len: the longest context at which all ``concurrency`` sequences fit at the lowest
@@ -47,50 +61,46 @@ class Fallbacks:
         weight_bits: the highest lower weight precision that fits the whole request.
         num_gpus: the fewest GPUs of :data:`TP_CANDIDATES` (more than now) that fit; only tried
             on a GPU with memory.
-        num_gpus_and_weight_bits: ``(num_gpus, weight_bits, setting)``: the fewest GPUs that fit
+        num_gpus_and_weight_bits: ``(num_gpus, weight_bits, fit)``: the fewest GPUs that fit
             with lower-bit weights; only tried when lower weight bits alone do not fit.
         memory_gib: device memory (GiB) the whole request needs at the lowest allowed setting.
     """
 
     context_len: int
-    quality: tuple[str, str] | None = None
-    weight_bits: tuple[int, str] | None = None
-    num_gpus: tuple[int, str] | None = None
-    num_gpus_and_weight_bits: tuple[int, int, str] | None = None
+    quality: tuple[str, Fit] | None = None
+    weight_bits: tuple[int, Fit] | None = None
+    num_gpus: tuple[int, Fit] | None = None
+    num_gpus_and_weight_bits: tuple[int, int, Fit] | None = None
     memory_gib: float = 0.0
 
 
 def _whole_request_on(
     d: Decision,
+    results: Mapping[str, Any] | None = None,
     *,
     quality: str | None = None,
     weight_bits: int | None = None,
     tp: int | None = None,
-) -> tuple[str, str] | None:
-    """``(engine, setting)`` the request of ``d`` gets with one or two of its values changed,
-    if all of it then fits (engines in the rule's order for the request); else None."""
-    tp = tp or d.tensor_parallel_size
-    budget = memory_budget(d.spec, d.device, d.gpu_memory_gb, weight_bits or d.weight_bits, tp)
-    q = quality or d.quality
-    for engine in engine_candidates(d.device, d.concurrency, tp):
-        fits = sequences_by_level(d.spec, budget, d.context_len, tp, engine)
-        kv, status = choose_setting(fits, q, d.concurrency)
-        if status == "ok":
-            return engine, kv
-    return None
-
-
-def _whole_request_with(
-    d: Decision,
-    *,
-    quality: str | None = None,
-    weight_bits: int | None = None,
-    tp: int | None = None,
-) -> str | None:
-    """The setting the request of ``d`` gets with one or two of its values changed, if all of
-    it then fits; else None."""
-    found = _whole_request_on(d, quality=quality, weight_bits=weight_bits, tp=tp)
-    return found[1] if found else None
+) -> Fit | None:
+    """What the request of ``d`` gets with one or two of its values changed, if all of it then
+    fits: the rule's own decision (:func:`kvlib.plan.rule.decide`) for the changed request, with
+    ``results`` and ``d``'s typical context; else None."""
+    changed = decide(
+        d.spec,
+        d.gpu_memory_gb,
+        d.context_len,
+        d.concurrency,
+        quality or d.quality,
+        weight_bits or d.weight_bits,
+        tp or d.tensor_parallel_size,
+        device=d.device,
+        results=results,
+        typical_context=d.typical_context,
+    )
+    if changed.status != "ok" or changed.kv is None or changed.kv_type is None:
+        return None
+    kv_type = "fp16" if changed.kv == "fp16" else changed.kv_type
+    return Fit(changed.engine, changed.kv, kv_type)
 
 
 def lower_weight_bits_upgrade(d: Decision) -> tuple[int, str, str] | None:
@@ -103,36 +113,37 @@ def lower_weight_bits_upgrade(d: Decision) -> tuple[int, str, str] | None:
     order = list(LEVELS)
     for wb in (b for b in WEIGHT_BITS if b < d.weight_bits):
         found = _whole_request_on(d, weight_bits=wb)
-        if found and order.index(found[1]) < order.index(d.kv):
-            return wb, *found
+        if found and order.index(found.setting) < order.index(d.kv):
+            return wb, found.engine, found.setting
     return None
 
 
-def fallbacks(d: Decision) -> Fallbacks:
+def fallbacks(d: Decision, results: Mapping[str, Any] | None = None) -> Fallbacks:
     """What would fit the request of ``d``: a shorter context, the next quality level, lower
-    weight bits, more GPUs, both, or more memory (see :class:`Fallbacks`)."""
+    weight bits, more GPUs, both, or more memory (see :class:`Fallbacks`). ``results`` are the
+    measurements the plan cites, so that a changed request gets the KV type its own plan would."""
     lowest = d.lowest_setting
     tp = d.tensor_parallel_size
     by_quality = by_bits = by_gpus = by_both = None
     if d.quality != QUALITIES[-1]:
         nxt = QUALITIES[QUALITIES.index(d.quality) + 1]
-        kv = _whole_request_with(d, quality=nxt)
-        by_quality = (nxt, kv) if kv else None
+        fit = _whole_request_on(d, results, quality=nxt)
+        by_quality = (nxt, fit) if fit else None
     lower_bits = [b for b in WEIGHT_BITS if b < d.weight_bits]
     for wb in lower_bits:
-        if kv := _whole_request_with(d, weight_bits=wb):
-            by_bits = (wb, kv)
+        if fit := _whole_request_on(d, results, weight_bits=wb):
+            by_bits = (wb, fit)
             break
     if d.device == "gpu" and d.gpu_memory_gb > 0:
         more_gpus = [n for n in TP_CANDIDATES if n > tp and valid_tp(d.spec, n)]
         for n in more_gpus:
-            if kv := _whole_request_with(d, tp=n):
-                by_gpus = (n, kv)
+            if fit := _whole_request_on(d, results, tp=n):
+                by_gpus = (n, fit)
                 break
         both = [(n, wb) for n in more_gpus for wb in reversed(lower_bits)] if not by_bits else []
         for n, wb in both:
-            if kv := _whole_request_with(d, tp=n, weight_bits=wb):
-                by_both = (n, wb, kv)
+            if fit := _whole_request_on(d, results, tp=n, weight_bits=wb):
+                by_both = (n, wb, fit)
                 break
     store = (d.types_by_setting.get(lowest) or kv_types(d.engine, d.spec, d.device)[lowest]).storage
     per_seq = kv_sequence_bytes(d.spec, d.context_len, store, tp)

@@ -244,7 +244,9 @@ def recommend(
         results=cited,
         typical_context=typical_context,
     )
-    would_fit = plan_text.suggestions(d, plan_fallbacks.fallbacks(d), cited) if not d.fits else ()
+    would_fit = (
+        plan_text.suggestions(d, plan_fallbacks.fallbacks(d, cited), cited) if not d.fits else ()
+    )
     return Plan(
         **{f.name: getattr(d, f.name) for f in dataclasses.fields(Decision)},
         reasons=plan_text.reasons(d, cited),

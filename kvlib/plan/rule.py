@@ -47,8 +47,10 @@ in order:
    weights alone do not, status ``"impossible"``, and :func:`kvlib.plan.fallbacks.fallbacks` finds what would fit
    (fewer tokens, the next quality level, lower weight bits, more GPUs, or both, or how much
    memory). The same rule, run for every engine, gives the plan's alternatives
-   (:attr:`Decision.options`). Eight or more concurrent conversations → also store idle
-   conversations compressed (PCA transform coding, :mod:`kvlib.kvtc.codec`), :func:`idle_storage`.
+   (:attr:`Decision.options`). Eight or more concurrent conversations → also say how the engine
+   keeps idle conversations between turns (:func:`idle_storage`): PCA-coded by kvlib's codec
+   (:mod:`kvlib.kvtc.codec`) on transformers, the engine's own prefix reuse on vLLM and llama.cpp,
+   which cannot load a PCA-coded cache.
 
 5. **Token eviction, never chosen**: when the request does not fit, whether keeping 1/k of each
    sequence's fp16 bytes would hold it, on transformers with kvlib's cache
@@ -78,6 +80,7 @@ __all__ = [
     "ACTIVATION_VALUES_PER_HIDDEN",
     "DEVICES",
     "HEADROOM_FRACTION",
+    "IDLE_STORAGE",
     "IDLE_STORAGE_MIN_SESSIONS",
     "KV_SETTINGS",
     "PREFILL_CHUNK_TOKENS",
@@ -127,6 +130,12 @@ PREFILL_CHUNK_TOKENS = 2048
 ACTIVATION_VALUES_PER_HIDDEN = 16
 #: Conversations at or above this count get the idle-storage (PCA) recommendation.
 IDLE_STORAGE_MIN_SESSIONS = 8
+#: How each engine keeps an idle conversation's cache between turns. Only where kvlib holds the
+#: cache (transformers) can it be stored PCA-coded (:mod:`kvlib.kvtc.codec`); vLLM and
+#: llama.cpp cannot load such a cache, and reuse their own: vLLM's prefix caching keeps a
+#: finished turn's blocks until their memory is needed, llama-server keeps each slot's cache and
+#: reuses the longest matching prefix of the next request.
+IDLE_STORAGE = {"transformers": "pca", "vllm": "prefix-caching", "llama.cpp": "slot-reuse"}
 #: vLLM's default block size on CUDA (tokens per KV block).
 VLLM_BLOCK_SIZE = 16
 #: Candidate tensor-parallel sizes when a plan looks for "how many GPUs would fit".
@@ -447,10 +456,17 @@ def choose_engine(
     return max(candidates, key=lambda e: (options[e].sequences, -candidates.index(e)))
 
 
-def idle_storage(concurrency: int, kv: str | None) -> str | None:
-    """Rule 4 (extras): ``"pca"`` (compressed idle conversations) from :data:`IDLE_STORAGE_MIN_SESSIONS`
-    conversations on, when the request fits at all; else None."""
-    return "pca" if concurrency >= IDLE_STORAGE_MIN_SESSIONS and kv else None
+def idle_storage(concurrency: int, kv: str | None, engine: str) -> str | None:
+    """Rule 4 (extras): how ``engine`` keeps idle conversations' caches between turns
+    (:data:`IDLE_STORAGE`), from :data:`IDLE_STORAGE_MIN_SESSIONS` conversations on, when the
+    request fits at all; else None.
+
+    Raises:
+        ValueError: an engine the plan does not know.
+    """
+    if engine not in IDLE_STORAGE:
+        raise ValueError(f"engine must be one of {', '.join(IDLE_STORAGE)} (got {engine!r})")
+    return IDLE_STORAGE[engine] if concurrency >= IDLE_STORAGE_MIN_SESSIONS and kv else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -722,7 +738,7 @@ def decide(
         kv_type=types[kv].name if kv else None,
         engine=engine,
         paging=engine == "vllm",
-        idle_storage=idle_storage(concurrency, kv),
+        idle_storage=idle_storage(concurrency, kv, engine),
         tensor_parallel_size=tp,
         budget=budget,
         kv_bytes_per_sequence=kv_sequence_bytes(spec, context_len, store, tp),

@@ -332,12 +332,44 @@ def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
             + f", so {d.engine}",
         )
     if d.idle_storage:
-        out.append(
-            f"{d.concurrency} conversations: between turns, keep idle caches compressed with PCA "
-            "transform coding (kvlib.kvtc.codec) instead of fp16 or recomputing — "
-            + quality_note("pca", results)
-        )
+        out.append(_idle_note(d, results))
     return out
+
+
+def _idle_note(d: Decision, results: Mapping[str, Any]) -> str:
+    """How the plan's engine keeps idle conversations between turns (:data:`IDLE_STORAGE`), and
+    what kvlib's PCA codec measured, which only a cache kvlib holds can use."""
+    head = f"{d.concurrency} conversations: between turns, "
+    pca = quality_note("pca", results)
+    if d.idle_storage == "pca":
+        return (
+            head + "keep idle caches compressed with PCA transform coding (kvlib.kvtc.codec) "
+            "instead of fp16 or recomputing — " + pca
+        )
+    if d.idle_storage == "prefix-caching":
+        how = (
+            "vLLM's prefix caching (on by default) keeps a finished turn's KV blocks until their "
+            "memory is needed, so a returning conversation skips the prefill of what it already "
+            "holds"
+        )
+    else:
+        how = (
+            "llama-server keeps each slot's cache and reuses the longest matching prefix of the "
+            "next request (cache_prompt, on by default); --slot-save-path saves a slot's cache "
+            "to disk and restores it"
+        )
+    return (
+        f"{head}{how}; kvlib's PCA codec stores idle caches smaller ({pca}), but "
+        f"{'vLLM' if d.engine == 'vllm' else d.engine} cannot load a PCA-coded cache"
+    )
+
+
+#: The idle storage (:data:`kvlib.plan.rule.IDLE_STORAGE`) as the plan's "KV cache:" line says it.
+IDLE_SHOWN = {
+    "pca": ", idle conversations stored with PCA",
+    "prefix-caching": ", finished turns kept by prefix caching",
+    "slot-reuse": ", each slot's cache reused across turns",
+}
 
 
 #: Perplexity differences (percentage points) below this are noise, not a better type: the
@@ -502,12 +534,48 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
                 f"guarantee); at the typical {d.typical_context:,} tokens the paged cache admits "
                 f"{o.admitted}; past that vLLM preempts the newest sequence and recomputes it"
             )
+    if d.engine == "transformers" and d.kv not in (None, "fp16"):
+        if note := _decode_speed_note(results):
+            out.append(note)
+    if d.engine == "llama.cpp" and d.device == "gpu" and "vllm" in d.options and d.concurrency > 1:
+        o = d.options["vllm"]
+        out.append(
+            "llama.cpp was chosen on the worst case, every sequence at the full context at once: "
+            f"vLLM's {o.kv_type} guarantees {o.sequences} of {d.concurrency} there, and its paged "
+            "cache admits more when conversations are shorter, where each llama.cpp slot "
+            "reserves the full context; give the typical length (typical_context) to compare "
+            "the two on your traffic"
+        )
     if d.eviction is not None:
         out.append(
             "token eviction by engine — "
             + "; ".join(f"{e}: {what}" for e, what in engines.TOKEN_EVICTION.items())
         )
     return tuple(out)
+
+
+#: The row of the kernel run's whole-model decode (``model_decode``) that a plan on transformers
+#: with kvlib's cache runs (the torch path, not notebook 10's fused kernel), and its reference.
+DECODE_ROW, DECODE_REFERENCE = "kvlib-int4 torch path", "dynamic-bf16"
+
+
+def _decode_speed_note(results: Mapping[str, Any]) -> str | None:
+    """The measured speed of kvlib's cache in transformers against the 16-bit cache (the kernel
+    run's ``model_decode``: a whole model decoding on a GPU), or None where it is not measured."""
+    run = kvresults.run("kernel", results)
+    decode = run.get("model_decode")
+    rows = decode.get("rows", {}) if isinstance(decode, Mapping) else {}
+    q, ref = rows.get(DECODE_ROW), rows.get(DECODE_REFERENCE)
+    if not (isinstance(q, Mapping) and isinstance(ref, Mapping)):
+        return None
+    return (
+        "speed: in transformers kvlib's caches buy memory, not speed: they dequantize every "
+        f"block at every step; on {decode['model']}'s shape (random weights) at "
+        f"{decode['context']:,} tokens, kvlib-int4 decoded {q['decode_tokens_per_s']:g} tokens/s "
+        f"against the bf16 cache's {ref['decode_tokens_per_s']:g}, and its first token came after "
+        f"{q['time_to_first_token_s']:.1f} s against {ref['time_to_first_token_s']:.1f} s "
+        f"({kvresults.citation(run)})"
+    )
 
 
 def _measured_note(t: EngineKV, results: Mapping[str, Any], *, proxy: bool) -> str | None:
@@ -575,19 +643,21 @@ def suggestions(
         out.append(f"weight_bits={fb.weight_bits[0]}: the whole request with {fb.weight_bits[1]}")
     if d.device == "gpu" and d.gpu_memory_gb > 0:
         if fb.num_gpus:
-            g, kv = fb.num_gpus
-            out.append(
-                f"num_gpus={g} (vLLM tensor_parallel_size={g}, or llama.cpp's layer split): the "
-                f"whole request with {kv}"
+            g, fit = fb.num_gpus
+            split = (
+                f"vLLM tensor_parallel_size={g}"
+                if fit.engine == "vllm"
+                else "llama.cpp's layer split"
             )
+            out.append(f"num_gpus={g} ({split}): the whole request with {fit}")
         else:
             out.append(
                 f"more than {TP_CANDIDATES[-1]} GPUs: pipeline parallelism across nodes "
                 "(vLLM pipeline_parallel_size), or a smaller model"
             )
         if fb.num_gpus_and_weight_bits:
-            g, wb, kv = fb.num_gpus_and_weight_bits
-            out.append(f"num_gpus={g} with weight_bits={wb}: the whole request with {kv}")
+            g, wb, fit = fb.num_gpus_and_weight_bits
+            out.append(f"num_gpus={g} with weight_bits={wb}: the whole request with {fit}")
     tp = d.tensor_parallel_size
     what = f"{tp} GPUs of" if tp > 1 else ("RAM of" if d.device == "cpu" else "a GPU with")
     out.append(f"{what} at least {fb.memory_gib:.3g} GiB: the whole request with {lowest_type}")
@@ -738,7 +808,7 @@ def summary(
             f"KV cache: {d.kv_type} on {d.engine}, {d.kv_storage.effective_bits:g} bits per value"
             + (" with its scales" if d.kv_storage.effective_bits != d.kv_storage.bits else "")
             + (", paged" if d.paging else "")
-            + (", idle conversations stored with PCA" if d.idle_storage else "")
+            + IDLE_SHOWN.get(d.idle_storage, "")
             + (
                 f", split over {d.tensor_parallel_size} GPUs"
                 + (" (tensor parallel)" if d.engine == "vllm" else " (layers)")
