@@ -315,7 +315,8 @@ def model_rows(
 
 def format_model_rows(rows: list[ModelCacheRow]) -> str:
     """The rows as a text table, one line per cache, a column pair per model: the mean
-    perplexity change (%) and the size at 4,096 tokens (× smaller than fp16)."""
+    perplexity change (%) and the size at 4,096 tokens (× smaller than fp16). A change measured
+    on one segment only is marked ``*``, and a last line says so."""
     models = list(dict.fromkeys(r.title for r in rows))
     cells = {(r.cache, r.title): r for r in rows}
     head = f"{'cache':<17}" + "".join(f"{m + ' Δ ppl %':>24}{'× @4096':>9}" for m in models)
@@ -328,6 +329,9 @@ def format_model_rows(rows: list[ModelCacheRow]) -> str:
                 line += f"{'—':>24}{'':>9}"
                 continue
             size = "—" if r.x_smaller_at_4096 is None else f"{r.x_smaller_at_4096:.3g}"
-            line += f"{r.delta_pct:>+24.3g}{size:>9}"
+            delta = f"{r.delta_pct:+.3g}" + ("" if r.segments else "*")
+            line += f"{delta:>24}{size:>9}"
         lines.append(line)
+    if any(not r.segments for r in rows):
+        lines.append("* one segment (the first); the others: the mean over the run's segments")
     return "\n".join(lines)

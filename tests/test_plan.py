@@ -582,3 +582,22 @@ def test_llama_cpp_over_vllm_on_a_gpu_says_it_is_the_worst_case():
     assert len(line) == 1 and f"vLLM's {o.kv_type} guarantees {o.sequences} of 4" in line[0]
     cpu = recommend("llama-3.2-1b", 16, 8192, concurrency=4, device="cpu")
     assert not any(w.startswith("llama.cpp was chosen") for w in cpu.watch)
+
+
+def test_lower_bit_weights_are_named_per_engine():
+    """Each engine gets its own 8-bit weights: transformers runs FP8 only from compute
+    capability 8.9 (it dequantizes below, doubling the weights), llama.cpp loads a Q8_0 GGUF."""
+    gemma = recommend("gemma-3-27b", 40, 131072, weight_bits=8, results={})
+    assert gemma.engine == "transformers"
+    line = next(w for w in gemma.watch if w.startswith("8-bit weights cost quality"))
+    assert "compute capability 8.9" in line and "bitsandbytes" in line
+    cpu = recommend("llama-3.1-8b", 32, 8192, weight_bits=8, device="cpu", results={})
+    line = next(w for w in cpu.watch if w.startswith("8-bit weights cost quality"))
+    assert cpu.engine == "llama.cpp" and line.endswith("a Q8_0 GGUF")
+    assert cpu.commands()["llama.cpp"].split()[2].endswith("-Q8_0.gguf")
+    vllm = recommend(
+        "llama-3.1-70b", 80, 32768, 16, weight_bits=8, num_gpus=2, typical_context=2048, results={}
+    )
+    line = next(w for w in vllm.watch if w.startswith("8-bit weights cost quality"))
+    assert vllm.engine == "vllm" and "--quantization fp8" in line
+    assert vllm.to_vllm()["quantization"] == "fp8"

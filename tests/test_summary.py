@@ -124,6 +124,12 @@ def test_model_rows_pair_the_caches_measured_on_both_models():
     text = summary.format_model_rows(rows)
     assert "Other-1B Δ ppl %" in text and "SmolLM2-135M Δ ppl %" in text
     assert text.splitlines()[2].split()[:4] == ["kvlib-int4", "+0.0786", "3.14", "+0.3"]
+    # quanto's row on other-1b has one segment: marked, and the marker explained
+    assert text.splitlines()[1].split()[3].endswith("*") and text.splitlines()[-1].startswith(
+        "* one"
+    )
+    means_only = [r for r in rows if r.cache == "kvlib-int4"]
+    assert "*" not in summary.format_model_rows(means_only)
     assert summary.model_rows(results={"schema_version": 1, "runs": {}}) == []
 
 

@@ -419,7 +419,7 @@ def _why_not(d: Decision, u: EngineKV, results: Mapping[str, Any]) -> str:
     head = (
         f"{u.name} on {u.engine} would store {u.effective_bits:g} bits per value (against "
         f"{t.effective_bits:g}) at a lower measured cost ({_fmt_pct(cu or 0)} against "
-        f"{_fmt_pct(ct or 0)} perplexity, each against its own engine's 16-bit cache on a small "
+        f"{_fmt_pct(ct or 0)} perplexity, each against its own engine's unquantized cache on a small "
         "model, so the two compare only roughly)"
     )
     if u.engine == d.engine:
@@ -514,10 +514,9 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
         )
     if d.weight_bits < 16:
         out.append(
-            f"{d.weight_bits}-bit weights cost quality of their own (use a pre-quantized "
-            "checkpoint: "
-            + ("FP8" if d.weight_bits == 8 else "AWQ/GPTQ for vLLM, Q4_K_M GGUF for llama.cpp")
-            + ")"
+            f"{d.weight_bits}-bit weights cost quality of their own, which this project does not "
+            f"measure; on "
+            f"{_ENGINE_NAMES[d.engine]}: {WEIGHTS_BY_ENGINE[d.engine, d.weight_bits]}"
         )
     if d.paging:
         o = d.options["vllm"]
@@ -554,6 +553,30 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
+#: Engines as the plan's prose names them.
+_ENGINE_NAMES = {"transformers": "transformers", "vllm": "vLLM", "llama.cpp": "llama.cpp"}
+
+#: How each engine gets the plan's lower-bit weights (:mod:`kvlib.plan.settings` gives the flags).
+#: transformers runs an FP8 checkpoint as FP8 only from compute capability 8.9 (Ada, Hopper) and
+#: dequantizes it to bf16 below (its ``quantizer_finegrained_fp8``), which doubles the weights'
+#: memory; vLLM's ``--quantization fp8`` runs weight-only through Marlin kernels on Ampere.
+WEIGHTS_BY_ENGINE: dict[tuple[str, int], str] = {
+    ("transformers", 8): (
+        "an FP8 checkpoint on a GPU of compute capability 8.9 or newer (Ada, Hopper); below that "
+        "transformers dequantizes FP8 weights to bf16, twice the memory this plan counts, so load "
+        "8-bit integer weights there (bitsandbytes)"
+    ),
+    ("transformers", 4): "an AWQ or GPTQ int4 checkpoint",
+    ("vllm", 8): (
+        "--quantization fp8 quantizes the 16-bit checkpoint as it loads (W8A8 on compute "
+        "capability 8.9 and newer, weight-only through Marlin kernels on Ampere)"
+    ),
+    ("vllm", 4): "an AWQ or GPTQ int4 checkpoint (vLLM reads its quantization config)",
+    ("llama.cpp", 8): "a Q8_0 GGUF",
+    ("llama.cpp", 4): "a Q4_K_M GGUF",
+}
+
+
 #: The row of the kernel run's whole-model decode (``model_decode``) that a plan on transformers
 #: with kvlib's cache runs (the torch path, not notebook 10's fused kernel), and its reference.
 DECODE_ROW, DECODE_REFERENCE = "kvlib-int4 torch path", "dynamic-bf16"
@@ -574,7 +597,8 @@ def _decode_speed_note(results: Mapping[str, Any]) -> str | None:
         f"{decode['context']:,} tokens, kvlib-int4 decoded {q['decode_tokens_per_s']:g} tokens/s "
         f"against the bf16 cache's {ref['decode_tokens_per_s']:g}, and its first token came after "
         f"{q['time_to_first_token_s']:.1f} s against {ref['time_to_first_token_s']:.1f} s "
-        f"({kvresults.citation(run)})"
+        f"(whole-model decode in transformers on {kvresults.device(run)}, measured "
+        f"{run.get('date', '?')} by {run.get('source', '?')})"
     )
 
 
