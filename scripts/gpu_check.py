@@ -210,6 +210,27 @@ def _model_name(described: str) -> str:
     return f"{found.group(1)} architecture, random weights, {found.group(2)}"
 
 
+#: The log's tables, by section title: the run's field and parser for each column after
+#: ``cache`` and ``bits`` (:func:`correctness_table`, :func:`speed_table`).
+_LOG_TABLES: dict[str, tuple[tuple[str, Any], ...]] = {
+    "Correctness against DynamicCache": (
+        ("layer_0_attention_rel_err", _number),
+        ("logits_rel_err", _number),
+        ("top_1_agreement", _number),
+        ("limit", _number),
+        ("status", str),
+    ),
+    "Memory and speed per cache": (
+        ("cache_gib", _gib),
+        ("x_smaller_than_reference", _number),
+        ("peak_memory_gib", _gib),
+        ("decode_tokens_per_s", _number),
+        ("speed_vs_reference", _number),
+        ("time_to_first_token_s", _number),
+    ),
+}
+
+
 def run_from_log(text: str) -> dict[str, Any]:
     """A ``kvlib/results.json`` run from the Markdown this script printed (a saved log).
 
@@ -233,27 +254,12 @@ def run_from_log(text: str) -> dict[str, Any]:
     if not (head and command and model):
         raise ValueError("not a scripts/gpu_check.py log: its header lines are missing")
     rows: dict[str, dict[str, Any]] = {}
-    for cache, bits, att, logits, top1, limit, status in _table_after(
-        text, "Correctness against DynamicCache"
-    ):
-        rows.setdefault(cache, {"bits": int(bits)}).update(
-            layer_0_attention_rel_err=_number(att),
-            logits_rel_err=_number(logits),
-            top_1_agreement=_number(top1),
-            limit=_number(limit),
-            status=status,
-        )
-    for cache, bits, held, smaller, peak, tok_s, speed, ttft in _table_after(
-        text, "Memory and speed per cache"
-    ):
-        rows.setdefault(cache, {"bits": int(bits)}).update(
-            cache_gib=_gib(held),
-            x_smaller_than_reference=_number(smaller),
-            peak_memory_gib=_gib(peak),
-            decode_tokens_per_s=_number(tok_s),
-            speed_vs_reference=_number(speed),
-            time_to_first_token_s=_number(ttft),
-        )
+    for title, fields in _LOG_TABLES.items():
+        for cache, bits, *cells in _table_after(text, title):
+            row = rows.setdefault(cache, {"bits": int(bits)})
+            row.update(
+                {name: parse(cell) for (name, parse), cell in zip(fields, cells, strict=True)}
+            )
     if not rows:
         raise ValueError("the log holds no result table")
     skipped = re.findall(r"^### (.+)\n+_skipped: ([^_]+)_", text, re.M)
