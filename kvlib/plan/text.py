@@ -568,8 +568,9 @@ WEIGHTS_BY_ENGINE: dict[tuple[str, int], str] = {
     ),
     ("transformers", 4): "an AWQ or GPTQ int4 checkpoint",
     ("vllm", 8): (
-        "--quantization fp8 quantizes the 16-bit checkpoint as it loads (W8A8 on compute "
-        "capability 8.9 and newer, weight-only through Marlin kernels on Ampere)"
+        "--quantization fp8 quantizes a 16-bit checkpoint as it loads (W8A8 on compute "
+        "capability 8.9 and newer, weight-only through Marlin kernels on Ampere); a checkpoint "
+        "that ships FP8 weights (DeepSeek-V3's, for one) is read as it is"
     ),
     ("vllm", 4): "an AWQ or GPTQ int4 checkpoint (vLLM reads its quantization config)",
     ("llama.cpp", 8): "a Q8_0 GGUF",
