@@ -582,6 +582,10 @@ def test_llama_cpp_over_vllm_on_a_gpu_says_it_is_the_worst_case():
     assert len(line) == 1 and f"vLLM's {o.kv_type} guarantees {o.sequences} of 4" in line[0]
     cpu = recommend("llama-3.2-1b", 16, 8192, concurrency=4, device="cpu")
     assert not any(w.startswith("llama.cpp was chosen") for w in cpu.watch)
+    # where vLLM fits not one sequence, there is no trade to weigh and no line
+    none = recommend("llama-3.1-8b", 24, 131072, concurrency=4)
+    assert none.engine == "llama.cpp" and none.options["vllm"].kv is None
+    assert not any(w.startswith("llama.cpp was chosen") for w in none.watch)
 
 
 def test_lower_bit_weights_are_named_per_engine():

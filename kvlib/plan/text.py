@@ -360,7 +360,7 @@ def _idle_note(d: Decision, results: Mapping[str, Any]) -> str:
         )
     return (
         f"{head}{how}; kvlib's PCA codec stores idle caches smaller ({pca}), but "
-        f"{'vLLM' if d.engine == 'vllm' else d.engine} cannot load a PCA-coded cache"
+        f"{_ENGINE_NAMES[d.engine]} cannot load a PCA-coded cache"
     )
 
 
@@ -515,8 +515,7 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     if d.weight_bits < 16:
         out.append(
             f"{d.weight_bits}-bit weights cost quality of their own, which this project does not "
-            f"measure; on "
-            f"{_ENGINE_NAMES[d.engine]}: {WEIGHTS_BY_ENGINE[d.engine, d.weight_bits]}"
+            f"measure; on {_ENGINE_NAMES[d.engine]}: {WEIGHTS_BY_ENGINE[d.engine, d.weight_bits]}"
         )
     if d.paging:
         o = d.options["vllm"]
@@ -536,11 +535,12 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
     if d.engine == "transformers" and d.kv not in (None, "fp16"):
         if note := _decode_speed_note(results):
             out.append(note)
-    if d.engine == "llama.cpp" and d.device == "gpu" and "vllm" in d.options and d.concurrency > 1:
-        o = d.options["vllm"]
+    o = d.options.get("vllm")
+    if d.engine == "llama.cpp" and d.device == "gpu" and o and o.kv and d.concurrency > 1:
+        vllm_type = "fp16" if o.kv == "fp16" else o.kv_type  # as _label names it
         out.append(
             "llama.cpp was chosen on the worst case, every sequence at the full context at once: "
-            f"vLLM's {o.kv_type} guarantees {o.sequences} of {d.concurrency} there, and its paged "
+            f"vLLM's {vllm_type} guarantees {o.sequences} of {d.concurrency} there, and its paged "
             "cache admits more when conversations are shorter, where each llama.cpp slot "
             "reserves the full context; give the typical length (typical_context) to compare "
             "the two on your traffic"
