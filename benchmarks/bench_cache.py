@@ -179,7 +179,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         held = compat.cache_nbytes(cache)
         fp16 = kv_cache_bytes(spec_from_config(config), cache.get_seq_length(), bits=16)
-        if name.startswith("hqq") and not args.hqq_4096:
+        if cache_registry.cache_info(name).family == "hqq" and not args.hqq_4096:
             # HQQ re-quantizes (with its optimizer) the whole cache at every flush: feeding
             # 4096 tokens takes many minutes on this CPU, so it is skipped unless asked for
             b4096, fp16_4096 = float("nan"), float("nan")

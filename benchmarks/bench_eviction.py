@@ -8,7 +8,7 @@ For budgets of 1/2, 1/4, 1/8 and 1/16 of the fp16 cache's bytes, one run measure
   given exactly the budget's bytes (``max_bytes``);
 * eviction on int4: ``evict-<policy>-int4`` at the same bytes (about 3.5x the tokens; the newest
   ``INT_RESIDUAL`` in float16);
-* PCA transform coding (``kvtc@1/<k>``, :mod:`kvlib.kvtc.codec`, notebook 06) where it applies:
+* PCA transform coding (``kvtc@1/<k>``, the registry's stored-cache codec, notebook 06) where it applies:
   storage between turns. The prompt's cache is encoded, stored and decoded, and the answer is
   decoded from it, so it has retrieval rows and no perplexity (it is not a live cache that
   attention reads while decoding); its bytes are the stored bytes.
@@ -52,9 +52,10 @@ from kvlib.caches import registry as cache_registry
 from kvlib.caches.eviction import cache as eviction
 from kvlib.eval import quality, retrieval
 from kvlib.keys import RetrievalColumn
-from kvlib.kvtc import codec as kvtc
 from kvlib.kvtc import pca
 
+#: The table's family of a row, by its registry family (eviction splits by bits, below).
+FAMILY_LABELS = {"kvlib": "quantization", "kvtc": "transform coding", "dynamic": "reference"}
 QUANT = ("kvlib-int8", "kvlib-int4", "kvlib-int3", "kvlib-int2")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -63,7 +64,6 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-KVTC_WINDOW = (4, 32)  # sinks and recent tokens kept in fp16 by the stored caches
 MULTI_KEYS = 4
 
 
@@ -100,23 +100,15 @@ def kvtc_restore(codec):
     return restore
 
 
-def kvtc_codec(basis, k: int, tokens: int):
-    """A codec whose stored bytes for ``tokens`` tokens aim at 0.95/k of fp16: the fp16
-    window's share is paid first, the codes get the rest (entropy coding then lands at
-    0.9-1.0 of their budget, notebook 06)."""
-    w = sum(KVTC_WINDOW) / tokens
-    compression = (1 - w) / (0.95 / k - w)
-    return kvtc.KVTCCodec(
-        basis, compression=compression, sink_tokens=KVTC_WINDOW[0], recent_tokens=KVTC_WINDOW[1]
-    )
-
-
 def retrieval_columns(model, tok, config, factories, basis, fractions, column, seed, **grid):
     """One shared-prefill retrieval run of every cache; fills ``column`` of each row."""
     ctx = grid["context_tokens"][0]
     caches = {name: f(ctx) for name, f in factories.items()}
     restored = {
-        f"kvtc@1/{k}": kvtc_restore(kvtc_codec(basis, k, ctx)) for k in fractions
+        f"kvtc@1/{k}": kvtc_restore(
+            cache_registry.make_cache(f"kvtc@1/{k}", config, basis=basis, tokens=ctx)
+        )
+        for k in fractions
     } if basis is not None else {}  # fmt: skip
     t0 = time.perf_counter()
     out = retrieval.compare_retrieval(
@@ -314,13 +306,10 @@ def main() -> None:
             row["perplexity_delta_pct_worst"] = max(d)
 
     def family(name: str) -> str:
-        if name.startswith("kvlib-"):
-            return "quantization"
-        if name.startswith("kvtc@"):
-            return "transform coding"
-        if name.startswith("evict-"):
-            return "eviction+int4" if "-int4" in name else "eviction"
-        return "reference"
+        info = cache_registry.cache_info(name)
+        if info.family == "evict":
+            return "eviction+int4" if info.bits == 4 else "eviction"
+        return FAMILY_LABELS[info.family]
 
     def fraction(row: dict) -> float:  # bytes over fp16: at the perplexity length if live
         return row.get("fp16_fraction", row[f"retrieval_{contexts[0]}_fp16_fraction"])
@@ -368,7 +357,11 @@ def main() -> None:
             "int4_groups": groups,
             "kvtc": None
             if basis is None
-            else {"calibration_tokens": 4096, "sinks": KVTC_WINDOW[0], "recent": KVTC_WINDOW[1]},
+            else {
+                "calibration_tokens": 4096,
+                "sinks": cache_registry.KVTC_WINDOW[0],
+                "recent": cache_registry.KVTC_WINDOW[1],
+            },
             "seed": args.seed,
             "quick": args.quick,
             "seconds": round(time.perf_counter() - t_start),

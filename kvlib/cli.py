@@ -30,7 +30,9 @@ from typing import Any, NoReturn
 from kvlib import memory, specs
 from kvlib.memory import GIB
 from kvlib.plan import planner as plan
-from kvlib.plan.rule import DEVICES, PREFILL_CHUNK_TOKENS, QUALITIES, WEIGHT_BITS
+from kvlib.plan.budget import PREFILL_CHUNK_TOKENS
+from kvlib.plan.engines import ENGINES
+from kvlib.plan.rule import DEVICES, QUALITIES, WEIGHT_BITS
 from kvlib.results import RESULTS_ENV
 from kvlib.validate import check_int, check_number
 
@@ -141,13 +143,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvlib`` argument parser with its four subcommands."""
     parser = _Parser(
         prog="kvlib",
         description="KV-cache memory math and configuration plans (KV Cache Lab).",
     )
     sub = parser.add_subparsers(dest="command", metavar="{memory,plan,models,caches}")
     sub.required = True
+    _add_memory(sub)
+    _add_plan(sub)
+    _add_lists(sub)
+    return parser
 
+
+def _add_memory(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``memory`` subcommand's arguments."""
     mem = sub.add_parser(
         "memory",
         help="KV-cache size of a model at a context and batch",
@@ -166,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--weight-bits", type=int, default=16, help="bits per weight (default 16)")
     mem.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``plan`` subcommand's arguments."""
     pl = sub.add_parser(
         "plan",
         help="recommend a KV-cache setting and engine flags",
@@ -202,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--num-gpus", type=_positive_int, default=1, help="tensor-parallel GPUs")
     pl.add_argument("--device", choices=DEVICES, default="gpu")
     pl.add_argument(
+        "--engine",
+        action="append",
+        choices=ENGINES,
+        dest="engines",
+        help="an engine the plan may choose (repeat for several; default: every one)",
+    )
+    pl.add_argument(
         "--results",
         metavar="PATH",
         help="measured results to cite (JSON, kvlib.results layout; default: "
@@ -209,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
 
+
+def _add_lists(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``models`` and ``caches`` subcommands' arguments."""
     mo = sub.add_parser(
         "models", help="list the model registry", description="The registered model specs."
     )
@@ -223,7 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ca.add_argument("--family", default=None, help="only this family (kvlib, hqq, evict, ...)")
     ca.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return parser
 
 
 # ------------------------------------------------------------------------------- rendering
@@ -322,6 +344,7 @@ def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
         device=args.device,
         typical_context=args.typical_context,
         results=args.results,
+        engines=args.engines,
     )
     lines = [p.summary()]
     if p.kv is not None:
@@ -388,6 +411,10 @@ def _cmd_models(args: argparse.Namespace) -> tuple[str, Any]:
     return _table(headers, rows), data
 
 
+#: How ``kvlib caches`` shows a required option's value (a count unless named here).
+_REQUIRED_VALUE = {"basis": "<KVPCABasis>"}
+
+
 def _cmd_caches(args: argparse.Namespace) -> tuple[str, Any]:
     # the registry builds caches, so it loads torch: only this command imports it
     from kvlib.caches import registry
@@ -400,7 +427,9 @@ def _cmd_caches(args: argparse.Namespace) -> tuple[str, Any]:
     infos = [i for i in infos if args.family in (None, i.family)]
     rows = [
         [
-            i.name + ("@<share>" if i.budgeted else "") + "".join(f" {k}=<n>" for k in i.requires),
+            i.name
+            + ("@<share>" if i.budgeted else "")
+            + "".join(f" {k}={_REQUIRED_VALUE.get(k, '<n>')}" for k in i.requires),
             i.family,
             i.bits,
             i.group_size or "-",

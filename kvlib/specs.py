@@ -86,6 +86,9 @@ class ModelSpec:
         tied_embeddings: the output head shares the input embedding's matrix
             (``tie_word_embeddings``), so the model stores one ``vocab_size × hidden_size``
             matrix instead of two (:meth:`embedding_params`).
+        checkpoint_weight_bits: bits per weight of the checkpoint the model is released as: 16,
+            or 8 for a model that ships FP8 weights (DeepSeek-V3), which an engine loads as
+            they are rather than quantizing them.
         source: where the figures come from (config.json on the hub, paper).
     """
 
@@ -104,6 +107,7 @@ class ModelSpec:
     max_position_embeddings: int | None = None
     value_head_dim: int | None = None
     tied_embeddings: bool = field(default=False, repr=False)  # a weights fact: not in the repr
+    checkpoint_weight_bits: int = field(default=16, repr=False)  # a weights fact too
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +133,10 @@ class ModelSpec:
             value = getattr(self, attr)
             if value is not None:
                 object.__setattr__(self, attr, check_int(value, attr, minimum=1))
+        if self.checkpoint_weight_bits not in (16, 8):
+            raise ValueError(
+                f"checkpoint_weight_bits must be 16 or 8 (got {self.checkpoint_weight_bits!r})"
+            )
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ValueError(
                 "MLA needs both kv_lora_rank and qk_rope_head_dim (got "
@@ -392,6 +400,20 @@ def kv_geometry(config: Any) -> KVGeometry:
     return _read_geometry(_as_text_config(config))
 
 
+def _checkpoint_weight_bits(config: Any) -> int:
+    """8 when ``config``'s ``quantization_config`` says the checkpoint ships FP8 weights
+    (``"quant_method": "fp8"``, as DeepSeek-V3's config.json does), else 16."""
+    quant = _config_get(config, "quantization_config")
+    if quant is None:
+        return 16
+    method = (
+        quant.get("quant_method")
+        if isinstance(quant, dict)
+        else getattr(quant, "quant_method", None)
+    )
+    return 8 if str(method).lower() == "fp8" else 16
+
+
 def spec_from_config(
     config: Any, name: str | None = None, num_params: int | None = None
 ) -> ModelSpec:
@@ -451,6 +473,7 @@ def spec_from_config(
         hidden_size=_first(cfg, "hidden_size", "n_embd", "d_model"),
         max_position_embeddings=_first(cfg, "max_position_embeddings", "n_positions"),
         tied_embeddings=bool(_config_get(cfg, "tie_word_embeddings", False)),
+        checkpoint_weight_bits=_checkpoint_weight_bits(config),
         source="spec_from_config",
     )
 
@@ -762,6 +785,7 @@ _SPECS: tuple[ModelSpec, ...] = (
         128,
         128,
         num_params=671_000_000_000,
+        checkpoint_weight_bits=8,  # released as FP8 weights (block-wise scales)
         kv_lora_rank=512,
         qk_rope_head_dim=64,
         vocab_size=129_280,

@@ -8,10 +8,14 @@ import re
 import pytest
 import torch
 import transformers
+from _synthetic_kv import correlated_layers
 
+from kvlib import compat
 from kvlib.caches import layout as cache_layout
 from kvlib.caches import registry as cache_registry
 from kvlib.eval.model_choice import random_config
+from kvlib.kvtc import codec as kvtc
+from kvlib.kvtc import pca
 from kvlib.quant import turboquant as tq
 
 REFERENCES = {
@@ -65,6 +69,9 @@ def test_cache_info_parses_every_name():
             assert (info.bits, info.group_size is None) == (
                 (4, False) if "int4" in name else (16, True)
             )
+        elif info.family == "kvtc":
+            assert info.stored and info.budgeted and info.requires == ("basis",)
+            assert info.residual_tokens == sum(cache_registry.KVTC_WINDOW)
         else:
             assert not info.budgeted and info.policy is None
             bits = re.search(r"(?:int|fp)(\d)", name)
@@ -243,3 +250,53 @@ def test_the_paged_cache_refuses_a_missing_or_bad_pool(config, options, match):
         cache_registry.cache_factory("paged", config, **options)
     with pytest.raises(ValueError, match="takes no budget"):
         cache_registry.cache_info("paged@1/4")
+
+
+# ------------------------------------------------------------------ transform coding (stored)
+
+
+@pytest.fixture(scope="module")
+def kvtc_basis():
+    return pca.fit_basis(correlated_layers(24, 64), cross_layer=False)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_kvtc_budget_sizes_the_stored_bytes(config, kvtc_basis, k):
+    """``kvtc@1/k`` builds a codec that aims the stored bytes of ``tokens`` tokens at 95 % of
+    1/k of the fp16 cache's, its float16 window paid first (the eviction benchmark's formula);
+    on 2,048 synthetic tokens they land within the budget. (It is an aim, not a bound: at 512
+    tokens and 1/8, where the window alone is 7 % of the fp16 bytes, they come 2 % over.)"""
+    tokens = 2048
+    info = cache_registry.cache_info(f"kvtc@1/{k}")
+    assert info.stored and info.budgeted and info.requires == ("basis",)
+    codec = cache_registry.make_cache(f"kvtc@1/{k}", config, basis=kvtc_basis, tokens=tokens)
+    assert isinstance(codec, kvtc.KVTCCodec)
+    sinks, recent = cache_registry.KVTC_WINDOW
+    assert (codec.sink_tokens, codec.recent_tokens) == (sinks, recent)
+    w = (sinks + recent) / tokens
+    assert codec.compression == (1 - w) / (0.95 / k - w)
+    cache = compat.dynamic_cache_from(correlated_layers(1, tokens, seed=3))
+    stored = len(codec.encode(cache))
+    fp16 = sum(2 * t.numel() for kv in compat.cache_tensors(cache) for t in kv)
+    assert stored <= fp16 / k, (stored, fp16 / k)
+    with pytest.raises(ValueError, match="no fixed bits"):
+        info.cache_bits()
+
+
+@pytest.mark.parametrize(
+    "name, options, error, match",
+    [
+        ("kvtc@1/4", {"tokens": 64}, ValueError, "needs basis="),
+        ("kvtc@1/4", {"basis": "B"}, ValueError, "pass tokens="),
+        ("kvtc@1/4", {"basis": "B", "tokens": 64, "compression": 4.0}, ValueError, "already"),
+        ("kvtc@1/16", {"basis": "B", "tokens": 64}, ValueError, "window alone"),
+        ("kvtc", {"basis": "B", "tokens": 64}, ValueError, "fractional budget"),
+        ("kvtc@1/4", {"basis": "B", "tokens": 0}, ValueError, "tokens"),
+        ("kvtc@1/4", {"basis": "B", "tokens": 512, "coder": "zip"}, ValueError, "coder"),
+        ("kvtc", {"basis": object()}, TypeError, "KVPCABasis"),
+    ],
+)
+def test_kvtc_bad_options_are_refused(config, kvtc_basis, name, options, error, match):
+    options = {k: kvtc_basis if v == "B" else v for k, v in options.items()}
+    with pytest.raises(error, match=match):
+        cache_registry.cache_factory(name, config, **options)

@@ -105,16 +105,29 @@ def test_caches_lists_the_one_registry(capsys):
     listed = json.loads(capsys.readouterr().out)
     assert [c["name"] for c in listed] == list(registry.CACHE_NAMES)
     assert {c["family"] for c in listed} == set(registry.FAMILIES)
-    assert all(c["budgeted"] == (c["family"] == "evict") for c in listed)
+    assert all(c["budgeted"] == (c["family"] in ("evict", "kvtc")) for c in listed)
     assert main(["caches", "--family", "evict"]) == 0
     text = capsys.readouterr().out
     assert "evict-h2o-int4@<share>" in text and "kvlib-int4" not in text
     assert [c["requires"] for c in listed if c["family"] == "paged"] == [["num_blocks"]]
     assert main(["caches", "--family", "paged"]) == 0
     assert "paged num_blocks=<n>" in capsys.readouterr().out
+    assert main(["caches", "--family", "kvtc"]) == 0
+    assert "kvtc@<share> basis=<KVPCABasis>" in capsys.readouterr().out
+    from _synthetic_kv import correlated_layers
+
+    from kvlib import compat
+    from kvlib.kvtc import pca
+
     config = random_config("smollm2-135m", num_layers=2, vocab_size=512, intermediate_size=256)
+    basis = pca.fit_basis(correlated_layers(24, 64), cross_layer=False)
     for c in listed:
         name = f"{c['name']}@1/4" if c["budgeted"] else c["name"]
+        if c["family"] == "kvtc":  # a stored cache's codec, not a live cache
+            codec = registry.make_cache(name, config, basis=basis, tokens=1024)
+            stored = codec.encode(compat.dynamic_cache_from(correlated_layers(1, 64)))
+            assert codec.decode(stored).get_seq_length() == 64
+            continue
         options = {"tokens": 64} if c["budgeted"] else {k: 8 for k in c["requires"]}
         assert registry.make_cache(name, config, **options).get_seq_length() == 0
 
@@ -230,3 +243,13 @@ def test_impossible_plan_says_what_would_fit(capsys):
     # 4-bit weights alone (32.9 GiB) do not fit one 24 GiB card; with two cards they do
     assert "would fit: weight_bits=4" not in out
     assert "would fit: num_gpus=2 with weight_bits=4" in out
+
+
+def test_plan_takes_the_engines_a_reader_runs(capsys):
+    argv = ["plan", "--model", "gemma-3-27b", "--gpu-memory", "40", "--context", "128k"]
+    argv += ["--weight-bits", "8", "--engine", "transformers"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "engines transformers only" in out and "KV cache: kvlib-int8 on transformers" in out
+    assert main(argv[:-2] + ["--engine", "tgi"]) == 2
+    assert "invalid choice: 'tgi'" in capsys.readouterr().err

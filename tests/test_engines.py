@@ -80,7 +80,7 @@ def test_the_plan_takes_the_best_measured_type_that_holds_the_request():
 @pytest.mark.parametrize("gib", [12, 16, 20, 24, 32])
 def test_every_better_measured_type_holds_fewer_sequences(gib):
     """The plan's llama.cpp int4 type is the first candidate that holds the request."""
-    from kvlib.plan import rule as plan_rule
+    from kvlib.plan import budget as plan_budget
 
     p = recommend("llama-3.1-8b", gib + 8, 32768, 4, weight_bits=8, device="cpu", results=MEASURED)
     option = p.options["llama.cpp"]
@@ -88,7 +88,7 @@ def test_every_better_measured_type_holds_fewer_sequences(gib):
         return
     spec, budget = get_spec("llama-3.1-8b"), p.budget.kv_budget_bytes
     for t in engines.candidates("llama.cpp", "int4", MEASURED, "cpu"):
-        n = plan_rule.sequences_that_fit(spec, budget, 32768, t.storage, 1)
+        n = plan_budget.sequences_that_fit(spec, budget, 32768, t.storage, 1)
         if t.name == option.kv_type:
             assert n == option.sequences or (n > 4 and option.sequences == 4)
             break
@@ -105,14 +105,15 @@ def test_an_unmeasured_q4_0_is_still_offered():
 
 def test_mla_models_get_no_pairs():
     """A pair is priced at its mean width, exact only where keys and values are equally wide."""
+    from kvlib.plan import budget as plan_budget
     from kvlib.plan import rule as plan_rule
 
     spec = get_spec("deepseek-v3")
-    budget = plan_rule.memory_budget(spec, "gpu", 141, 16, 8)
+    budget = plan_budget.memory_budget(spec, "gpu", 141, 16, 8)
     chosen = plan_rule.types_by_level(spec, budget, 8192, 64, 8, "llama.cpp", MEASURED)
     assert not any(t.mixed for t, _ in chosen.values())
     llama = get_spec("llama-3.1-8b")
-    budget = plan_rule.memory_budget(llama, "cpu", 48, 16, 1)
+    budget = plan_budget.memory_budget(llama, "cpu", 48, 16, 1)
     chosen = plan_rule.types_by_level(llama, budget, 32768, 1, 1, "llama.cpp", MEASURED)
     assert chosen["int4"][0].name == "q8_0/q4_0"  # one sequence: the best measured type fits
 

@@ -357,9 +357,9 @@ def test_fused_decode_option_errors(monkeypatch) -> None:
     cache.update(k, k, 0)
     with pytest.raises(ValueError, match="'eager'"):
         cache.update(k[:, :, :1], k[:, :, :1], 0)
-    import kvlib.caches.quantized
+    import kvlib.caches.quantized_layer
 
-    monkeypatch.setattr(kvlib.caches.quantized, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(kvlib.caches.quantized_layer, "interpreter_mode", lambda: False)
     cache = QuantizedKVCache(model.config, residual_length=8, fused_decode=True)
     cache.update(k, k, 0)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

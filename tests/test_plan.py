@@ -14,6 +14,7 @@ from kvlib import memory, specs
 from kvlib import results as results_mod
 from kvlib.caches import layout as cache_layout
 from kvlib.caches import registry as cache_registry
+from kvlib.plan import budget as plan_budget
 from kvlib.plan import engines
 from kvlib.plan import rule as plan_rule
 from kvlib.plan.planner import Plan, recommend
@@ -66,12 +67,40 @@ def _fits(p, bits, group_size=None, group_meta_bits=0, tp=1):
 
 
 def test_8b_on_24gb_at_32k_one_user_keeps_fp16(meas):
+    """One user whose fp16 cache fits: a serving engine (vLLM) at its model dtype; every
+    engine's own settings keep fp16 too."""
     p = recommend("llama-3.1-8b", 24, 32768, results=meas)
-    assert (p.status, p.kv, p.engine, p.kv_type) == ("ok", "fp16", "transformers", "dynamic-fp16")
+    assert (p.status, p.kv, p.engine, p.kv_type) == ("ok", "fp16", "vllm", "auto")
     assert p.to_transformers() == {"cache": "dynamic-fp16", "batch_size": 1}
     assert p.to_llama_cpp()["--cache-type-k"] == "f16" and p.to_llama_cpp()["-fa"] == "auto"
     assert "kv_cache_dtype" not in p.to_vllm() and p.to_vllm()["max_num_seqs"] == 1  # auto
     assert [o.kv for o in p.options.values()] == ["fp16"] * 3  # every engine keeps fp16
+
+
+def test_one_sequence_goes_to_transformers_only_where_no_serving_engine_holds_it():
+    """One sequence on one GPU: vLLM, then llama.cpp, and transformers (kvlib's cache) only where
+    neither holds it; kvlib's int2 goes below llama.cpp's q4_0, so at quality='aggressive' it is
+    the one that does."""
+    tight = recommend("llama-3.1-8b", 20, 65536, quality="aggressive", results={})
+    assert (tight.engine, tight.kv_type, tight.status) == ("transformers", "kvlib-int2", "ok")
+    assert tight.options["vllm"].kv is None and tight.options["llama.cpp"].kv is None
+    assert any(
+        r.startswith("one sequence on one GPU that neither serving engine holds")
+        for r in tight.reasons
+    )
+    # the same request at 'balanced' stops at int4: nothing holds it, and the first engine is named
+    balanced = recommend("llama-3.1-8b", 20, 65536, results={})
+    assert balanced.status == "impossible" and balanced.kv is None
+    # where llama.cpp's q4_0 holds it, llama.cpp serves it
+    q4 = recommend("llama-3.1-8b", 24, 131072)
+    assert (q4.engine, q4.kv_type) == ("llama.cpp", "q4_0") and q4.options[
+        "transformers"
+    ].kv == "int4"
+    # vLLM's fp8 too, though kvlib-int4 stores fewer bits at a lower measured cost: said why
+    fp8 = recommend("llama-3.1-8b", 24, 65536)
+    assert (fp8.engine, fp8.kv_type) == ("vllm", "fp8")
+    why = next(r for r in fp8.reasons if r.startswith("kvlib-int4 on transformers would store"))
+    assert "for one sequence the plan prefers a serving engine" in why
 
 
 def test_8b_on_24gb_at_32k_four_users_int4(meas):
@@ -230,15 +259,20 @@ def test_gemma2_sliding_window_counts_capped_layers():
     assert list(plan_rule.kv_types("transformers", spec)) == list(engines.planned("transformers"))
     assert _fits(p, 16) >= 8 and p.to_transformers() == {"cache": "dynamic-fp16", "batch_size": 8}
     # one sequence that fits only below fp16: kvlib's int8 cache, windows in fp16
+    # (one sequence goes to a serving engine first: vLLM's fp8, windows priced as vLLM keeps them)
     one = recommend("gemma-2-9b", 22, 8192, results={})
-    assert (one.status, one.engine, one.kv_type) == ("ok", "transformers", "kvlib-int8")
+    assert (one.status, one.engine, one.kv_type) == ("ok", "vllm", "fp8")
     assert _fits(one, 16) == 0 < _fits(one, 8)
-    int8 = one.kv_storage
-    assert int8.window_bits == 16
-    assert one.kv_bytes_per_sequence == memory.kv_cache_bytes(
-        spec, 8192, bits=8, group_size=int8.group_size, window_bits=16
+    assert one.options["transformers"].kv_type == "kvlib-int8"
+    # transformers when nothing else holds it: kvlib's int2 cache, windows in fp16
+    low = recommend("gemma-2-9b", 26, 131072, quality="aggressive", results={})
+    assert (low.status, low.engine, low.kv_type) == ("ok", "transformers", "kvlib-int2")
+    int2 = low.kv_storage
+    assert int2.window_bits == 16
+    assert low.kv_bytes_per_sequence == memory.kv_cache_bytes(
+        spec, 131072, bits=2, group_size=int2.group_size, window_bits=16
     )
-    assert any("quantizes the 21 global layers only" in w for w in one.watch)
+    assert any("quantizes the 21 global layers only" in w for w in low.watch)
 
 
 @pytest.mark.parametrize("name", ["gemma-2-9b", "gemma-3-27b", "gemma-3-270m", "mistral-7b-v0.1"])
@@ -252,7 +286,7 @@ def test_the_plan_prices_kvlibs_cache_on_a_hybrid_model_from_above_and_within_8_
     spec = specs.get_spec(name)
     t = plan_rule.kv_types("transformers", spec)[level]
     for ctx in (8192, 32768):
-        planned = plan_rule.kv_sequence_bytes(spec, ctx, t.storage)
+        planned = plan_budget.kv_sequence_bytes(spec, ctx, t.storage)
         exact = memory.quantized_cache_bytes(
             spec,
             ctx,
@@ -318,12 +352,12 @@ def test_to_dict_is_json_with_stable_keys():
         *["quality", "weight_bits", "status", "kv", "kv_type", "engine", "paging"],
         *["idle_storage", "tensor_parallel_size", "kv_bytes_per_sequence"],
         *["kv_bytes_per_sequence_fp16", "max_concurrency", "max_concurrency_fp16"],
-        *["max_context", "max_context_fp16", "typical_context", "reasons", "watch"],
+        *["max_context", "max_context_fp16", "typical_context", "engines", "reasons", "watch"],
         *["suggestions", "spec"],
         *["budget", "fits", "buys", "sequences_by_setting", "types_by_setting", "options"],
         *["eviction", "transformers", "vllm", "llama_cpp"],
     ]
-    assert (d["kv"], d["kv_type"], d["engine"]) == ("int4", "q4_0", "llama.cpp")
+    assert (d["kv"], d["kv_type"], d["engine"], d["engines"]) == ("int4", "q4_0", "llama.cpp", None)
     assert d["reasons"] == list(p.reasons)
     assert d["vllm"] == p.to_vllm() and d["llama_cpp"] == p.to_llama_cpp()
     assert d["transformers"] == p.to_transformers()
@@ -371,6 +405,7 @@ def test_reasons_cite_a_results_file_by_path_or_env(tmp_path, monkeypatch):
             "cache": _run(
                 {
                     "kvlib-int4": {"perplexity_delta_pct": 1.5, "x_smaller_than_fp16": 3.3},
+                    "kvlib-int2": {"perplexity_delta_pct": 6.5, "x_smaller_than_fp16": 5.2},
                     "hf-fp8": {"perplexity_delta_pct": 0.75, "x_smaller_than_fp16": 2.0},
                 },
                 model="TinyTest-1M",
@@ -383,7 +418,7 @@ def test_reasons_cite_a_results_file_by_path_or_env(tmp_path, monkeypatch):
     def plans(**kw):
         return (
             recommend("llama-3.1-8b", 24, 16384, concurrency=4, **kw),  # vLLM, fp8
-            recommend("llama-3.1-8b", 24, 98304, **kw),  # transformers, kvlib-int4
+            recommend("llama-3.1-8b", 20, 65536, quality="aggressive", **kw),  # kvlib-int2
             recommend("llama-3.1-8b", 24, 32768, concurrency=4, device="cpu", **kw),  # q4_0
         )
 
@@ -391,19 +426,16 @@ def test_reasons_cite_a_results_file_by_path_or_env(tmp_path, monkeypatch):
     monkeypatch.setenv(RESULTS_ENV, path)
     by_env = plans()
     for vllm, hf, cpu in (by_path, by_env):
-        assert (vllm.kv_type, hf.kv_type, cpu.kv_type) == ("fp8", "kvlib-int4", "q4_0")
+        assert (vllm.kv_type, hf.kv_type, cpu.kv_type) == ("fp8", "kvlib-int2", "q4_0")
         fp8 = next(r for r in vllm.reasons if "(hf-fp8):" in r)
         assert fp8.startswith("fp8 (hf-fp8): +0.75 % perplexity, 2× smaller than fp16")
-        int4 = next(r for r in hf.reasons if r.startswith("kvlib-int4:"))
-        assert "+1.5 % perplexity" in int4 and "3.3× smaller than fp16" in int4
+        int2 = next(r for r in hf.reasons if r.startswith("kvlib-int2:"))
+        assert "+6.5 % perplexity" in int2 and "5.2× smaller than fp16" in int2
         q4 = next(r for r in cpu.reasons if r.startswith("q4_0 (llama.cpp) is not measured"))
         assert "(kvlib-int4): +1.5 % perplexity" in q4
-        for note in (fp8, int4, q4):
+        for note in (fp8, int2, q4):
             assert "TinyTest-1M" in note and "2031-01-02" in note
     # int8 (kvlib-int8, q8_0) is absent from this file: said so, no number invented
-    p8 = recommend("llama-3.1-8b", 24, 65536)
-    assert (p8.engine, p8.kv_type) == ("transformers", "kvlib-int8")
-    assert any("int8: quality cost not measured" in r for r in p8.reasons)
     q8 = recommend("llama-3.1-8b", 24, 32768, device="cpu")
     assert q8.kv_type == "q8_0" and any(
         r.startswith("q8_0 (llama.cpp) is not measured")
@@ -419,9 +451,9 @@ def test_the_package_results_are_cited_by_default():
     note = next(r for r in p.reasons if r.startswith("fp8 (vLLM):"))
     assert "bench_vllm.py" in note and "with vLLM on a CPU" in note
     assert "not measured" not in " ".join(p.reasons)
-    t = recommend("llama-3.1-8b", 24, 98304)
-    assert t.kv_type == "kvlib-int4"
-    note = next(r for r in t.reasons if r.startswith("kvlib-int4:"))
+    t = recommend("llama-3.1-8b", 20, 65536, quality="aggressive")
+    assert t.kv_type == "kvlib-int2"
+    note = next(r for r in t.reasons if r.startswith("kvlib-int2:"))
     assert "bench_cache.py" in note and "not measured" not in " ".join(t.reasons)
 
 
@@ -467,7 +499,7 @@ def test_pca_idle_storage_only_for_many_conversations():
     assert laptop.engine == "llama.cpp" and laptop.idle_storage == "slot-reuse"
     assert any("--slot-save-path" in r and "llama.cpp cannot load" in r for r in laptop.reasons)
     solo = recommend("llama-3.1-8b", 80, 8192, concurrency=1, results=meas)
-    assert solo.idle_storage is None and not solo.paging and solo.engine == "transformers"
+    assert solo.idle_storage is None and solo.engine == "vllm"  # one conversation: none idle
     few = recommend("llama-3.1-8b", 80, 8192, concurrency=4, results=meas)
     assert few.idle_storage is None and few.paging  # several sequences: paged engine, no PCA
 
@@ -557,7 +589,7 @@ def test_to_transformers_settings_run_in_generate(model, eval_ids):
 def test_transformers_plans_cite_the_measured_decode_speed():
     """A plan on transformers with a quantized kvlib cache says what that costs in speed, from the
     kernel run's whole-model decode; without that run it says nothing it has not measured."""
-    p = recommend("llama-3.1-8b", 24, 131072, concurrency=1)
+    p = recommend("llama-3.1-8b", 20, 65536, concurrency=1, quality="aggressive")
     assert p.engine == "transformers" and p.kv not in (None, "fp16")
     speed = [w for w in p.watch if w.startswith("speed:")]
     decode = results_mod.run("kernel")["model_decode"]
@@ -568,7 +600,7 @@ def test_transformers_plans_cite_the_measured_decode_speed():
         in speed[0]
     )
     assert "GPU (NVIDIA H200)" in speed[0] and "random weights" in speed[0]
-    bare = recommend("llama-3.1-8b", 24, 131072, concurrency=1, results={})
+    bare = recommend("llama-3.1-8b", 20, 65536, concurrency=1, quality="aggressive", results={})
     assert bare.engine == "transformers" and not any(w.startswith("speed:") for w in bare.watch)
     fp16 = recommend("llama-3.1-8b", 80, 8192, concurrency=1)
     assert fp16.kv == "fp16" and not any(w.startswith("speed:") for w in fp16.watch)
@@ -590,8 +622,10 @@ def test_llama_cpp_over_vllm_on_a_gpu_says_it_is_the_worst_case():
 
 def test_lower_bit_weights_are_named_per_engine():
     """Each engine gets its own 8-bit weights: transformers runs FP8 only from compute
-    capability 8.9 (it dequantizes below, doubling the weights), llama.cpp loads a Q8_0 GGUF."""
-    gemma = recommend("gemma-3-27b", 40, 131072, weight_bits=8, results={})
+    capability 8.9 (it dequantizes below, doubling the weights), llama.cpp loads a Q8_0 GGUF,
+    vLLM quantizes a 16-bit checkpoint as it loads (--quantization fp8) and reads one that ships
+    FP8 weights as it is (no flag)."""
+    gemma = recommend("gemma-3-27b", 34, 131072, weight_bits=8, quality="aggressive", results={})
     assert gemma.engine == "transformers"
     line = next(w for w in gemma.watch if w.startswith("8-bit weights cost quality"))
     assert "compute capability 8.9" in line and "bitsandbytes" in line
@@ -605,3 +639,38 @@ def test_lower_bit_weights_are_named_per_engine():
     line = next(w for w in vllm.watch if w.startswith("8-bit weights cost quality"))
     assert vllm.engine == "vllm" and "--quantization fp8" in line
     assert vllm.to_vllm()["quantization"] == "fp8"
+    ds = recommend("deepseek-v3", 140, 131072, 8, weight_bits=8, num_gpus=8, results={})
+    assert specs.get_spec("deepseek-v3").checkpoint_weight_bits == 8 and ds.engine == "vllm"
+    assert "quantization" not in ds.to_vllm() and "--quantization" not in ds.commands()["vllm"]
+    line = next(w for w in ds.watch if w.startswith("8-bit weights cost quality"))
+    assert "ships 8-bit (FP8) weights" in line and "no --quantization flag" in line
+
+
+def test_a_request_can_name_the_engines_it_runs():
+    """``engines=`` restricts what the plan may choose (a reader who runs only transformers or
+    only vLLM); the other engines are still priced, and a restriction that leaves no engine for
+    the traffic is refused with what would serve it."""
+    only = recommend("gemma-3-27b", 40, 131072, weight_bits=8, engines=["transformers"], results={})
+    assert (only.engine, only.kv_type, only.engines) == (
+        "transformers",
+        "kvlib-int8",
+        ("transformers",),
+    )
+    assert only.summary().splitlines()[0].endswith(", engines transformers only")
+    assert any(
+        r.startswith("one sequence on one GPU, on the engine the request allows")
+        for r in only.reasons
+    )
+    assert only.options["vllm"].kv_type == "fp8"  # still priced: the also: lines
+    assert recommend("gemma-3-27b", 40, 131072, weight_bits=8, results={}).engine == "vllm"
+    four = recommend("llama-3.1-8b", 24, 32768, concurrency=4, engines=["vllm"], results={})
+    assert (four.engine, four.status) == ("vllm", "reduced")  # llama.cpp would hold all four
+    assert recommend("llama-3.1-8b", 24, 32768, concurrency=4, results={}).engine == "llama.cpp"
+    with pytest.raises(TypeError, match="engines must be a non-empty list"):
+        recommend("llama-3.1-8b", 24, 8192, engines="vllm")
+    with pytest.raises(ValueError, match="unknown engine 'tgi'; accepted: transformers, vllm"):
+        recommend("llama-3.1-8b", 24, 8192, engines=["tgi"])
+    with pytest.raises(ValueError, match="cannot serve 4 sequence.*runs vllm or llama.cpp"):
+        recommend("llama-3.1-8b", 24, 8192, concurrency=4, engines=["transformers"])
+    with pytest.raises(ValueError, match="runs llama.cpp there"):
+        recommend("llama-3.1-8b", 24, 8192, device="cpu", engines=["vllm"])

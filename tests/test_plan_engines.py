@@ -13,7 +13,8 @@ from kvlib.plan import engines
 from kvlib.plan import planner as plan
 from kvlib.plan import rule as plan_rule
 from kvlib.plan import settings as plan_engines
-from kvlib.plan.rule import decide, sequences_that_fit
+from kvlib.plan.budget import sequences_that_fit
+from kvlib.plan.rule import decide
 
 LLAMA8 = specs.get_spec("llama-3.1-8b")
 
@@ -129,7 +130,7 @@ def test_transformers_runs_kvlib_caches_and_fp16_for_sliding_windows():
         "cache": "dynamic-fp16",
         "batch_size": 1,
     }
-    one = decide(LLAMA8, 24, 65536)  # 8 GiB at fp16 > 5.39 GiB left: quantized
+    one = decide(LLAMA8, 24, 65536, allowed=["transformers"])  # 8 GiB at fp16 > 5.39 GiB left
     assert one.engine == "transformers" and one.kv_type == f"kvlib-{one.kv}"
     # sliding-window layers: kvlib's caches quantize the global layers, windows in fp16
     gemma = decide(specs.get_spec("gemma-2-9b"), 24, 32768)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvlib import specs
 from kvlib.cli import main
 from kvlib.plan import engines
+from kvlib.plan import suggestions as plan_suggestions
 from kvlib.plan import text as plan_text
 from kvlib.plan.eviction import EVICTION_KEEP, evictable, eviction_option
 from kvlib.plan.fallbacks import fallbacks
@@ -159,14 +160,14 @@ def test_no_option_for_sliding_window_or_mla_models(name, request_):
 
 
 def _eviction_lines(d, results) -> list[str]:
-    return [s for s in plan_text.suggestions(d, fallbacks(d), results) if "eviction" in s]
+    return [s for s in plan_suggestions.suggestions(d, fallbacks(d), results) if "eviction" in s]
 
 
 def test_the_line_cites_the_best_int4_row_with_its_retrieval():
     d = decide(LLAMA8, 24, 32768, 5)
     assert d.eviction.fraction == "1/4"
     (line,) = _eviction_lines(d, MEAS)
-    assert line == plan_text.suggestions(d, fallbacks(d), MEAS)[-1]  # last: the riskiest
+    assert line == plan_suggestions.suggestions(d, fallbacks(d), MEAS)[-1]  # last: the riskiest
     assert line.startswith(
         "token eviction: the whole request with kvlib's evict-h2o-int4 at 1/4 of the fp16 bytes"
     )
@@ -179,7 +180,7 @@ def test_the_line_cites_the_best_int4_row_with_its_retrieval():
     )
     assert "multi-key retrieval 0.35 [0.15, 0.60] vs 0.70 uncompressed at 1,024 tokens" in line
     assert line.endswith("eviction drops tokens, and a dropped fact is gone")
-    assert plan_text.eviction_note(d, MEAS) == line
+    assert plan_suggestions.eviction_note(d, MEAS) == line
 
 
 def test_the_line_reads_the_mean_over_segments_when_the_run_has_them():
@@ -188,7 +189,9 @@ def test_the_line_reads_the_mean_over_segments_when_the_run_has_them():
         "perplexity_delta_pct_segments": [0.125, 0.5, 0.375],
         "perplexity_delta_pct_mean": 1 / 3,
     }
-    line = plan_text.eviction_note(d, _run(["1/4"], ROWS | {"evict-h2o-int4@1/4": row}, BEST))
+    line = plan_suggestions.eviction_note(
+        d, _run(["1/4"], ROWS | {"evict-h2o-int4@1/4": row}, BEST)
+    )
     assert "+0.333 % perplexity (mean on 3 × 2,048 tokens)" in line
     assert "+0.125 %" not in line
 
@@ -196,13 +199,13 @@ def test_the_line_reads_the_mean_over_segments_when_the_run_has_them():
 def test_the_line_falls_back_to_float_eviction_and_quality_max_uses_it():
     d = decide(LLAMA8, 24, 32768, 5)
     no_int4 = _run(["1/4"], ROWS, {"1/4 eviction": "evict-tova@1/4"})
-    line = plan_text.eviction_note(d, no_int4)
+    line = plan_suggestions.eviction_note(d, no_int4)
     assert "kvlib's evict-tova at 1/4" in line and "+2.5 % perplexity" in line
     assert "pass-key retrieval 0.15 [0.05, 0.36] vs 0.90 uncompressed at 1,024" in line
     # quality="max" forbids quantized storage: float eviction even where int4 was measured
     fp16_only = decide(LLAMA8, 24, 131072, 1, quality="max")
     assert fp16_only.status == "impossible" and fp16_only.eviction.fraction == "1/4"
-    assert "kvlib's evict-tova at 1/4" in plan_text.eviction_note(fp16_only, MEAS)
+    assert "kvlib's evict-tova at 1/4" in plan_suggestions.eviction_note(fp16_only, MEAS)
 
 
 def test_without_a_measured_budget_the_line_gives_the_fit_and_no_figures():
@@ -213,7 +216,7 @@ def test_without_a_measured_budget_the_line_gives_the_fit_and_no_figures():
         ({}, "not measured yet (benchmarks/bench_eviction.py)"),
         (_run(["1/4"], ROWS, {"1/4 eviction+int4": "evict-gone@1/4"}), "not measured at 1/4"),
     ):
-        line = plan_text.eviction_note(d, results)
+        line = plan_suggestions.eviction_note(d, results)
         assert line.startswith("token eviction: the whole request with kvlib's evict-<policy>-int4")
         assert why in line and not re.search(r"\d %|retrieval \d", line)
     # recommend() without an eviction run: the line is still there, without figures
@@ -224,7 +227,7 @@ def test_without_a_measured_budget_the_line_gives_the_fit_and_no_figures():
 
 def test_no_line_when_everything_fits_and_the_engines_named_when_it_does_not():
     ok = decide(LLAMA8, 80, 8192, 1)
-    assert plan_text.eviction_note(ok, MEAS) is None
+    assert plan_suggestions.eviction_note(ok, MEAS) is None
     assert not any("eviction" in w for w in plan_text.watch(ok, MEAS))
     d = decide(LLAMA8, 24, 32768, 5)
     (watch,) = [w for w in plan_text.watch(d, MEAS) if "eviction" in w]
@@ -248,7 +251,7 @@ def test_plan_and_cli_carry_the_option(tmp_path, capsys):
     assert main([*argv, "--concurrency", "5", "--results", str(path)]) == 0
     out = capsys.readouterr().out
     (line,) = [x for x in out.splitlines() if x.startswith("would fit: token eviction")]
-    assert line == f"would fit: {plan_text.eviction_note(p, MEAS)}"
+    assert line == f"would fit: {plan_suggestions.eviction_note(p, MEAS)}"
     assert main([*argv, "--concurrency", "4", "--results", str(path)]) == 0  # q4_0 holds 4
     assert "eviction" not in capsys.readouterr().out
     assert main([*argv, "--concurrency", "5", "--results", str(path), "--json"]) == 0

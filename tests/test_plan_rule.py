@@ -8,21 +8,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib import memory, specs
+from kvlib.plan import budget as plan_budget
 from kvlib.plan import engines
 from kvlib.plan import rule as plan_rule
+from kvlib.plan.budget import (
+    context_that_fits,
+    gpu_share,
+    kv_sequence_bytes,
+    memory_budget,
+    sequences_that_fit,
+)
 from kvlib.plan.fallbacks import Fit, fallbacks
 from kvlib.plan.rule import (
     EngineOption,
     choose_engine,
     choose_setting,
-    context_that_fits,
     decide,
     engine_candidates,
-    gpu_share,
     idle_storage,
-    kv_sequence_bytes,
-    memory_budget,
-    sequences_that_fit,
 )
 
 GIB = 2**30
@@ -54,16 +57,28 @@ def test_choose_engine_and_idle_storage():
     assert engine_candidates("cpu", 64, 1) == ("llama.cpp",)
     assert engine_candidates("gpu", 1, 2) == engine_candidates("gpu", 4, 2) == ("vllm", "llama.cpp")
     assert engine_candidates("gpu", 4, 1) == ("vllm", "llama.cpp")
-    assert engine_candidates("gpu", 1, 1) == ("transformers", "vllm", "llama.cpp")
+    assert engine_candidates("gpu", 1, 1) == ("vllm", "llama.cpp", "transformers")
+    # the engines a request allows, in the rule's order
+    assert engine_candidates("gpu", 1, 1, ["transformers", "llama.cpp"]) == (
+        "llama.cpp",
+        "transformers",
+    )
+    assert engine_candidates("gpu", 4, 1, ["transformers"]) == ()
+    with pytest.raises(ValueError, match="none of the engines"):
+        choose_engine("gpu", 4, 1, None, ["transformers"])
     # without options: the traffic's first choice
     assert choose_engine("cpu", 64, 1) == "llama.cpp"
-    assert choose_engine("gpu", 1, 1) == "transformers"
+    assert choose_engine("gpu", 1, 1) == "vllm"
+    assert choose_engine("gpu", 1, 1, None, ["transformers"]) == "transformers"
     assert choose_engine("gpu", 2, 1) == choose_engine("gpu", 1, 2) == "vllm"
     # with options: the first candidate that holds the whole request ...
     opts = {"transformers": _opt("transformers", "ok", 4), "vllm": _opt("vllm", "reduced", 2)}
     opts["llama.cpp"] = _opt("llama.cpp", "ok", 4)
     assert choose_engine("gpu", 4, 1, opts) == "llama.cpp"  # transformers is no candidate here
-    assert choose_engine("gpu", 1, 1, opts) == "transformers"
+    assert choose_engine("gpu", 1, 1, opts) == "llama.cpp"  # one sequence: serving engines first
+    assert choose_engine("gpu", 1, 1, opts, ["transformers", "vllm"]) == "transformers"
+    opts["llama.cpp"] = _opt("llama.cpp", "reduced", 0)
+    assert choose_engine("gpu", 1, 1, opts) == "transformers"  # the one that holds it
     # ... else the one holding the most sequences, the earlier on a tie
     opts["llama.cpp"] = _opt("llama.cpp", "reduced", 3)
     assert choose_engine("gpu", 4, 1, opts) == "llama.cpp"
@@ -135,7 +150,7 @@ def test_what_fits_is_the_byte_math_on_one_gpu(name, tp, store, budget, concurre
     exactly the largest count whose cache fits the budget, as the plan defined them before it
     used kvlib.memory."""
     spec = specs.get_spec(name)
-    if not plan_rule.valid_tp(spec, tp):
+    if not plan_budget.valid_tp(spec, tp):
         return
 
     def need(n: int, seqs: int) -> int:
@@ -194,10 +209,14 @@ def test_decide_impossible_and_reduced():
         0,
     )
     assert none.budget.kv_budget_bytes < 0 and not none.fits
-    # the bytes shown for an impossible request are those of the lowest allowed setting
-    # (transformers: kvlib-int4, groups of 32 with an fp16 scale and zero point)
-    assert none.engine == "transformers"
-    assert none.kv_bytes_per_sequence == kv_sequence_bytes(none.spec, 8192, (4, 32, 32, 16))
+    # the bytes shown for an impossible request are those of the lowest allowed setting of the
+    # first engine (vLLM: fp8, one scale per tensor; transformers: kvlib-int4, groups of 32 with
+    # an fp16 scale and zero point)
+    assert none.engine == "vllm"
+    assert none.kv_bytes_per_sequence == kv_sequence_bytes(none.spec, 8192, (8, None, 0, None))
+    hf = decide(specs.get_spec("qwen2.5-7b"), 16, 8192, allowed=["transformers"])
+    assert hf.engine == "transformers" and hf.status == "impossible"
+    assert hf.kv_bytes_per_sequence == kv_sequence_bytes(hf.spec, 8192, (4, 32, 32, 16))
     few = decide(LLAMA8, 24, 32768, 16)
     assert few.status == "reduced" and few.kv == "int4" and 1 <= few.max_concurrency < 16
     # no candidate holds all 16: the one holding the most (llama.cpp's q4_0 against vLLM's fp8)
@@ -208,7 +227,9 @@ def test_decide_impossible_and_reduced():
 def test_fallbacks_name_changes_that_fit():
     qwen = decide(specs.get_spec("qwen2.5-7b"), 16, 8192)
     fb = fallbacks(qwen)
-    assert fb.weight_bits == (8, Fit("transformers", "fp16", "fp16"))
+    assert fb.weight_bits == (8, Fit("vllm", "fp16", "fp16"))
+    only = fallbacks(decide(qwen.spec, 16, 8192, allowed=["transformers"]))
+    assert only.weight_bits == (8, Fit("transformers", "fp16", "fp16"))  # the allowed engine
     assert fb.num_gpus == (2, Fit("vllm", "fp16", "fp16")) and str(fb.num_gpus[1]) == "fp16 on vllm"
     assert fb.num_gpus_and_weight_bits is None  # lower weight bits alone already fit
     assert fb.context_len == 0 and fb.quality is None
@@ -236,16 +257,16 @@ def test_fallbacks_name_changes_that_fit():
 def test_fallback_context_is_capped_at_the_models_maximum():
     """Memory alone allows a longer context than Llama-3.1-8B's 131,072 tokens at int4: the
     suggested shorter context stops at the model's maximum, and says so."""
-    from kvlib.plan import text as plan_text
+    from kvlib.plan import suggestions as plan_suggestions
 
-    huge = decide(LLAMA8, 24, 10**11)
+    huge = decide(LLAMA8, 24, 10**11, allowed=["transformers"])
     lowest = plan_rule.kv_types(huge.engine, LLAMA8)[huge.lowest_setting].storage
     memory_only = context_that_fits(LLAMA8, huge.budget.kv_budget_bytes, 1, lowest)
     assert memory_only > LLAMA8.max_position_embeddings  # the cap is what binds here
     fb = fallbacks(huge)
     assert fb.context_len == LLAMA8.max_position_embeddings
     assert "1 sequence at up to 131,072 tokens (the model's maximum)" in " ".join(
-        plan_text.suggestions(huge, fb)
+        plan_suggestions.suggestions(huge, fb)
     )
     # below the maximum, the memory figure stands
     few = decide(LLAMA8, 24, 32768, 16)
@@ -258,13 +279,13 @@ def test_paged_sequences_count_whole_blocks_less_the_null_block():
     spec = specs.get_spec("smollm2-135m")
     fp8 = (8, None, 0, None)
     per_token = memory.kv_bytes_per_token(spec, 8)
-    block = plan_rule.VLLM_BLOCK_SIZE * per_token
+    block = plan_budget.VLLM_BLOCK_SIZE * per_token
     exact = 7 * 2048 * per_token
-    assert plan_rule.sequences_that_fit(spec, exact, 2048, fp8) == 7
-    assert plan_rule.paged_sequences(spec, exact, 2048, fp8) == 6
-    assert plan_rule.paged_sequences(spec, exact + block, 2048, fp8) == 7
+    assert plan_budget.sequences_that_fit(spec, exact, 2048, fp8) == 7
+    assert plan_budget.paged_sequences(spec, exact, 2048, fp8) == 6
+    assert plan_budget.paged_sequences(spec, exact + block, 2048, fp8) == 7
     # 2,049 tokens take 129 blocks of 16: 896 usable blocks hold 6 such sequences
-    assert plan_rule.paged_sequences(spec, exact + block, 2049, fp8) == 896 // 129
-    assert plan_rule.engine_sequences("llama.cpp", spec, exact, 2048, fp8) == 7
-    assert plan_rule.engine_sequences("vllm", spec, exact, 2048, fp8) == 6
-    assert plan_rule.paged_sequences(spec, 0, 2048, fp8) == 0
+    assert plan_budget.paged_sequences(spec, exact + block, 2049, fp8) == 896 // 129
+    assert plan_budget.engine_sequences("llama.cpp", spec, exact, 2048, fp8) == 7
+    assert plan_budget.engine_sequences("vllm", spec, exact, 2048, fp8) == 6
+    assert plan_budget.paged_sequences(spec, 0, 2048, fp8) == 0

@@ -9,6 +9,9 @@ import pytest
 
 from kvlib import memory, specs
 from kvlib.plan import engines
+from kvlib.plan import measured as plan_measured
+from kvlib.plan import suggestions as plan_suggestions
+from kvlib.plan import summary as plan_summary
 from kvlib.plan import text as plan_text
 from kvlib.plan.fallbacks import fallbacks
 from kvlib.plan.rule import decide
@@ -59,7 +62,7 @@ def test_reasons_give_the_budget_and_each_settings_count():
     assert f"llama.cpp serves them in {fits['int4']} parallel slots" in why[4]
     assert "PCA" in why[5] and len(why) == 6
     # one user whose cache fits only at 4 bits: transformers with kvlib-int4, and its rotation
-    t = decide(LLAMA8, 24, 98304, 1)
+    t = decide(LLAMA8, 24, 98304, 1, allowed=["transformers"])
     tfits = t.sequences_by_setting
     assert (t.engine, t.kv_type) == ("transformers", "kvlib-int4")
     twhy = plan_text.reasons(t, MEAS)
@@ -73,10 +76,10 @@ def test_reasons_give_the_budget_and_each_settings_count():
     assert "transformers generate()" in twhy[-1]
     solo = plan_text.reasons(decide(LLAMA8, 80, 8192, 1), {})
     assert "no need to quantize" in solo[0] and solo[1].startswith("fp16: the reference")
-    assert "transformers generate()" in solo[-1]
+    assert solo[-1].startswith("one sequence: a serving engine (vLLM) serves it over HTTP")
     none = plan_text.reasons(decide(specs.get_spec("qwen2.5-7b"), 16, 8192), {})
     assert none == (none[0],) and "nothing is left for the KV cache" in none[0]
-    tight = decide(LLAMA8, 20, 131072, 1)  # weights fit, one 128k sequence does not
+    tight = decide(LLAMA8, 20, 131072, 1, allowed=["transformers"])  # weights fit, 128k does not
     assert tight.kv is None and tight.budget.kv_budget_bytes > 0
     lowest = engines.planned(tight.engine)[tight.lowest_setting].name
     assert (tight.engine, lowest) == ("transformers", "kvlib-int4")
@@ -84,7 +87,7 @@ def test_reasons_give_the_budget_and_each_settings_count():
 
 
 def test_watch_cites_the_measured_int2_cost_and_the_limits():
-    d = decide(LLAMA8, 24, 196608, 1, quality="aggressive")  # only 2 bits hold 192k tokens
+    d = decide(LLAMA8, 24, 196608, 1, quality="aggressive")  # only kvlib's 2 bits hold 192k
     assert (d.engine, d.kv, d.kv_type) == ("transformers", "int2", "kvlib-int2")
     w = plan_text.watch(d, MEAS)
     assert any("(measured +7.25 % perplexity)" in x for x in w)
@@ -96,7 +99,7 @@ def test_watch_cites_the_measured_int2_cost_and_the_limits():
     # plan runs one; not for an fp16 plan, nor a CPU plan, which has only llama.cpp)
     gemma = specs.get_spec("gemma-2-9b")
     sliding = "sliding-window layers"
-    quantized = decide(gemma, 22, 8192)
+    quantized = decide(gemma, 22, 8192, allowed=["transformers"])
     assert (quantized.engine, quantized.kv_type) == ("transformers", "kvlib-int8")
     assert any(
         sliding in x and "(4,096 tokens) in fp16 and quantizes the 21 global layers" in x
@@ -109,40 +112,43 @@ def test_watch_cites_the_measured_int2_cost_and_the_limits():
 
 def test_suggestions_only_when_it_does_not_fit_and_in_gib():
     ok = decide(LLAMA8, 80, 8192, 1)
-    assert plan_text.suggestions(ok, fallbacks(ok)) == ()
+    assert plan_suggestions.suggestions(ok, fallbacks(ok)) == ()
     d = decide(specs.get_spec("qwen2.5-7b"), 16, 8192)
     fb = fallbacks(d)
-    s = plan_text.suggestions(d, fb)
-    assert s[0] == "weight_bits=8: the whole request with fp16 on transformers"
+    s = plan_suggestions.suggestions(d, fb)
+    assert s[0] == "weight_bits=8: the whole request with fp16 on vllm"
     assert s[1] == "num_gpus=2 (vLLM tensor_parallel_size=2): the whole request with fp16 on vllm"
-    # the memory is named at the plan's engine's lowest type (transformers: kvlib-int4)
-    assert d.engine == "transformers" and d.lowest_setting == "int4"
-    assert (
-        s[-1] == f"a GPU with at least {fb.memory_gib:.3g} GiB: the whole request with kvlib-int4"
+    # the memory is named at the lowest type of the engine that needs the least (llama.cpp's
+    # q4_0 here: below vLLM's fp8, the plan's engine when nothing fits)
+    assert d.engine == "vllm" and d.lowest_setting == "int8"
+    assert s[-1] == (
+        f"a GPU with at least {fb.memory_gib:.3g} GiB: the whole request with q4_0 on llama.cpp"
     )
     cpu = decide(LLAMA8, 8, 32768, 16, device="cpu")
-    assert plan_text.suggestions(cpu, fallbacks(cpu))[-1].startswith("RAM of at least")
-    assert plan_text.suggestions(cpu, fallbacks(cpu))[-1].endswith("with q4_0")
+    assert plan_suggestions.suggestions(cpu, fallbacks(cpu))[-1].startswith("RAM of at least")
+    assert plan_suggestions.suggestions(cpu, fallbacks(cpu))[-1].endswith("with q4_0 on llama.cpp")
     eight = decide(specs.get_spec("llama-3.1-405b"), 24, 131072, 64, num_gpus=8)
-    assert any("pipeline parallelism" in x for x in plan_text.suggestions(eight, fallbacks(eight)))
+    assert any(
+        "pipeline parallelism" in x for x in plan_suggestions.suggestions(eight, fallbacks(eight))
+    )
 
 
 def test_buys_and_an_unbounded_context():
     d = decide(LLAMA8, 24, 32768, 4)
     assert d.kv_type == "q4_0"
-    assert plan_text.buys(d).startswith(f"q4_0 fits {d.max_concurrency} sequences at 32,768")
-    assert f"against {d.max_concurrency_fp16} at fp16" in plan_text.buys(d)
+    assert plan_summary.buys(d).startswith(f"q4_0 fits {d.max_concurrency} sequences at 32,768")
+    assert f"against {d.max_concurrency_fp16} at fp16" in plan_summary.buys(d)
     # Mistral-7B v0.1: every layer slides, so memory sets no limit on the context
     sliding = decide(specs.get_spec("mistral-7b-v0.1"), 24, 4096, 1)
     assert sliding.max_context == memory.UNBOUNDED
-    assert "up to unbounded tokens" in plan_text.buys(sliding)
-    assert "max context for 1: unbounded" in plan_text.summary(sliding)
-    assert "nothing yet" in plan_text.buys(decide(specs.get_spec("qwen2.5-7b"), 16, 8192))
+    assert "up to unbounded tokens" in plan_summary.buys(sliding)
+    assert "max context for 1: unbounded" in plan_summary.summary(sliding)
+    assert "nothing yet" in plan_summary.buys(decide(specs.get_spec("qwen2.5-7b"), 16, 8192))
 
 
 def test_alternatives_give_each_other_engines_type_and_count():
     d = decide(LLAMA8, 24, 32768, 4)
-    alt = plan_text.alternatives(d)
+    alt = plan_summary.alternatives(d)
     others = [e for e in engines.ENGINES if e != d.engine]
     assert [a.split(":")[0] for a in alt] == others
     for engine, line in zip(others, alt, strict=True):
@@ -151,18 +157,18 @@ def test_alternatives_give_each_other_engines_type_and_count():
         assert line.startswith(
             f"{engine}: {o.kv_type} ({bits:g} bits per value) fits {o.sequences} of 4 sequences"
         )
-    summary = plan_text.summary(d)
+    summary = plan_summary.summary(d)
     assert all(f"also: {a}" in summary for a in alt)
-    none = plan_text.alternatives(decide(specs.get_spec("qwen2.5-7b"), 16, 8192))
+    none = plan_summary.alternatives(decide(specs.get_spec("qwen2.5-7b"), 16, 8192))
     assert none and all(a.endswith("not one sequence fits at any KV type it runs") for a in none)
-    assert plan_text.alternatives(decide(LLAMA8, 24, 8192, device="cpu")) == ()  # llama.cpp only
-    (split,) = plan_text.alternatives(decide(LLAMA8, 24, 8192, 4, num_gpus=2))
+    assert plan_summary.alternatives(decide(LLAMA8, 24, 8192, device="cpu")) == ()  # llama.cpp only
+    (split,) = plan_summary.alternatives(decide(LLAMA8, 24, 8192, 4, num_gpus=2))
     assert split.startswith("llama.cpp: ")  # vLLM's tensor parallelism, llama.cpp's layers
 
 
 def test_summary_says_gib():
     d = decide(LLAMA8, 80, 8192, 64, model="llama-3.1-8b")
-    text = plan_text.summary(d, ("a reason",), ("a risk",), ())
+    text = plan_summary.summary(d, ("a reason",), ("a risk",), ())
     first = text.splitlines()[0]
     assert first.startswith("llama-3.1-8b on 1 × 80 GiB GPU, context 8,192, 64 concurrent")
     assert "device memory 80 GiB" in text and "why: a reason" in text and "watch: a risk" in text
@@ -170,12 +176,12 @@ def test_summary_says_gib():
 
 
 def test_results_to_cite(tmp_path, monkeypatch):
-    assert plan_text.results_to_cite({}) == {}
-    assert plan_text.results_to_cite(MEAS) == MEAS
+    assert plan_measured.results_to_cite({}) == {}
+    assert plan_measured.results_to_cite(MEAS) == MEAS
     with pytest.raises(TypeError, match="results must be"):
-        plan_text.results_to_cite(42)
+        plan_measured.results_to_cite(42)
     with pytest.raises(ValueError, match="does not exist"):
-        plan_text.results_to_cite(tmp_path / "missing.json")
+        plan_measured.results_to_cite(tmp_path / "missing.json")
 
 
 def test_segment_ranges_decide_what_is_called_measurable():
@@ -205,7 +211,7 @@ def test_segment_ranges_decide_what_is_called_measurable():
             }
         },
     }
-    t = decide(LLAMA8, 24, 98304, 1)
+    t = decide(LLAMA8, 24, 98304, 1, allowed=["transformers"])
     assert t.kv_type == "kvlib-int4"
     why = plan_text.reasons(t, seg)
     assert "4 segments -0.15 % … +0.25 %: no measurable cost" in why[1]
@@ -213,7 +219,7 @@ def test_segment_ranges_decide_what_is_called_measurable():
         "int4 with a Hadamard rotation (kvlib-int4-rot): mean +0.085 % perplexity against "
         "+0.075 % without, over 4 segments; no measurable difference"
     )
-    int2 = plan_text.quality_note("int2", seg)
+    int2 = plan_measured.quality_note("int2", seg)
     assert "4 segments +5.5 % … +7.2 %" in int2 and "no measurable" not in int2
     seg["runs"]["cache"]["rows"]["kvlib-int4-rot"]["perplexity_delta_pct_segments"] = [-1, -0.9]
     rot = plan_text.reasons(t, seg)[2]

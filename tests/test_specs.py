@@ -195,6 +195,13 @@ def _config_of(spec: ModelSpec, num_layers: int | None = None):
     )
     if spec.is_mla:
         fields.update(kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim)
+    if spec.checkpoint_weight_bits == 8:  # as DeepSeek-V3's config.json says it
+        fields["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        }
     if model_type == "falcon":  # no such fields: one KV head comes from multi_query
         del fields["num_key_value_heads"], fields["head_dim"]
     return AutoConfig.for_model(model_type, **(fields | extra))
@@ -407,3 +414,18 @@ def test_spec_from_bundled_config(model):
     assert kv_geometry(model.config) == (30, 9, 3, 64)
     assert replace(spec, name=reg.name, num_params=reg.num_params) == reg
     assert sum(p.numel() for p in model.parameters()) == reg.num_params
+
+
+def test_checkpoint_weight_bits_from_the_config_and_checked():
+    """A config whose ``quantization_config`` says FP8 (DeepSeek-V3's) is a checkpoint that ships
+    8-bit weights; anything else ships 16-bit ones; other values are refused."""
+    base = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4}
+    base |= {"num_key_value_heads": 2, "hidden_size": 64}
+    assert spec_from_config(base).checkpoint_weight_bits == 16
+    fp8 = base | {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+    assert spec_from_config(fp8).checkpoint_weight_bits == 8
+    awq = base | {"quantization_config": {"quant_method": "awq", "bits": 4}}
+    assert spec_from_config(awq).checkpoint_weight_bits == 16  # (an int4 checkpoint: not modelled)
+    assert get_spec("deepseek-v3").checkpoint_weight_bits == 8
+    with pytest.raises(ValueError, match="checkpoint_weight_bits must be 16 or 8"):
+        ModelSpec("x", 2, 4, 2, 16, checkpoint_weight_bits=4)

@@ -4,22 +4,23 @@ Every layer class here builds on :class:`kvlib.caches.base.BatchRows` (the state
 batch operations) and follows transformers' ``CacheLayerMixin``. Importing this package imports
 no torch: :mod:`kvlib.caches.layout` is plain numbers, read by the planner.
 
-================  ==============================================================  ==========
-module            what it holds                                                   notebook
-================  ==============================================================  ==========
-``base``          the state check and batch operations every cache layer shares   04, 11
-``layout``        the quantized cache's defaults, as numbers (no torch)            03, 04
-``quantized``     a quantized KV cache (KIVI layout, rotation, windows)            04
-``sliding``       a sliding-window layer for hybrid models' sliding layers        04, 11
-``coded``         the layer a key/value codec fills: sinks, encoded blocks, window 05
-``turboquant``    TurboQuant's cache: vLLM's layout, or kvlib's (sinks, window)   05
-``kvquant``       KVQuant's cache: pre-RoPE keys, nuq levels, sparse outliers      05
-``eviction``      caches that keep a budget of tokens per layer (a package)       11
-``blocks``        the block allocator behind paged caches                         07
-``paged``         paged attention, the paged transformers cache                   07
-``hf_probe``      transformers' quantized layers, probed (private quantizer)      04
-``registry``      one name and one factory per cache the project compares         04, 05, 08, 11
-================  ==============================================================  ==========
+===================  ==============================================================  ==========
+module               what it holds                                                   notebook
+===================  ==============================================================  ==========
+``base``             the state check and batch operations every cache layer shares   04, 11
+``layout``           the quantized cache's defaults, as numbers (no torch)            03, 04
+``quantized``        a quantized KV cache (KIVI layout, rotation, windows)            04
+``quantized_layer``  its layer: sinks, quantized blocks, window, fused decoding      04, 10
+``sliding``          a sliding-window layer for hybrid models' sliding layers        04, 11
+``coded``            the layer a key/value codec fills: sinks, encoded blocks, window 05
+``turboquant``       TurboQuant's cache: vLLM's layout, or kvlib's (sinks, window)   05
+``kvquant``          KVQuant's cache: pre-RoPE keys, nuq levels, sparse outliers      05
+``eviction``         caches that keep a budget of tokens per layer (a package)       11
+``blocks``           the block allocator behind paged caches                         07
+``paged``            paged attention, the paged transformers cache                   07
+``hf_probe``         transformers' quantized layers, probed (private quantizer)      04
+``registry``         one name and one factory per cache the project compares         04, 05, 08, 11
+===================  ==============================================================  ==========
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "layout",
     "paged",
     "quantized",
+    "quantized_layer",
     "registry",
     "sliding",
     "turboquant",

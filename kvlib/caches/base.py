@@ -8,11 +8,14 @@ reorder, contrastive search's repeat, batch selection). Each layer writes only h
 some batch rows (``_select_rows``); :class:`BatchRows` derives the three operations from it.
 A layer that returns every token it holds (no window) gets its lengths, mask sizes and
 offloading from :class:`WholeSequence`; a cache gets its byte counts from :class:`ByteCounts`.
+A layer names the tensors it stores to :func:`select_rows` (batch selection) and
+:func:`held_nbytes` (its exact bytes); :func:`fp16_layer_nbytes` prices its tokens in float16.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,7 +28,10 @@ __all__ = [
     "WholeSequence",
     "check_states",
     "fill_sinks",
+    "fp16_layer_nbytes",
+    "held_nbytes",
     "row_indices",
+    "select_rows",
 ]
 
 
@@ -56,6 +62,27 @@ def row_indices(rows: Any, device: torch.device) -> torch.Tensor:
     if rows.dtype == torch.bool:
         rows = rows.nonzero().flatten()
     return rows.long()
+
+
+def select_rows(layer: Any, names: Iterable[str], rows: torch.Tensor, dim: int = 0) -> None:
+    """Keep batch rows ``rows`` ``(n,)`` (from :func:`row_indices`) of the layer's stored
+    tensors ``names``: tensors or row-laid QuantizedTensors with the batch along axis ``dim``,
+    ``None`` skipped; codes and metadata move together, nothing is re-quantized."""
+    for name in names:
+        t = getattr(layer, name)
+        if t is not None:
+            setattr(layer, name, t.index_select(dim, rows))
+
+
+def held_nbytes(*held: Any) -> int:
+    """Exact bytes of a layer's stored tensors and QuantizedTensors (``None`` skipped)."""
+    return sum(t.nbytes for t in held if t is not None)
+
+
+def fp16_layer_nbytes(layer: Any, tokens: int) -> int:
+    """Bytes an fp16 DynamicCache layer holds for ``tokens`` tokens of the layer's ``batch_size``
+    rows, ``num_heads`` KV heads and ``head_dim`` channels (keys and values)."""
+    return 2 * layer.batch_size * layer.num_heads * tokens * layer.head_dim * 2
 
 
 def fill_sinks(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[Any, Any]:
@@ -135,7 +162,7 @@ class WholeSequence:
         """Bytes an fp16 DynamicCache layer would hold for the same tokens (keys and values)."""
         if not self.is_initialized:
             return 0
-        return 2 * self.batch_size * self.num_heads * self.cumulative_length * self.head_dim * 2
+        return fp16_layer_nbytes(self, self.cumulative_length)
 
 
 class ByteCounts:

@@ -199,34 +199,13 @@ class PagedKVCache:
         return bt, lens
 
 
-def paged_attention(
-    query: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """One decode step of attention, reading K/V through block tables (reference implementation).
-
-    Args:
-        query: ``(num_seqs, num_heads, head_dim)``, one new token per sequence.
-        k_pool, v_pool: ``(num_blocks, kv_heads, block_size, head_dim)``; ``num_heads`` must be a
-            multiple of ``kv_heads`` (grouped-query attention: query head ``h`` reads KV head
-            ``h // (num_heads // kv_heads)``).
-        block_tables: ``(num_seqs, max_blocks)`` integer; row ``i``'s first
-            ``ceil(context_lens[i] / block_size)`` entries are physical blocks, the rest padding.
-        context_lens: ``(num_seqs,)`` tokens each sequence attends to (≥ 1).
-        scale: softmax scale, default ``head_dim ** -0.5``.
-
-    Returns:
-        ``(num_seqs, num_heads, head_dim)``: softmax over the key axis (each sequence's own
-        ``context_lens[i]`` tokens; the unused tail of the last block and padding blocks are masked).
-
-    All sequences are handled in one batched gather + two matmuls; there is no loop over tokens or
-    sequences. Memory is ``num_seqs × max_blocks × block_size`` keys — a reference, not a fused
-    kernel (vLLM's CUDA kernel reads the blocks in place instead of gathering them).
-    """
+def _check_paged_inputs(
+    query: Any, k_pool: Any, v_pool: Any, block_tables: Any, context_lens: Any
+) -> None:
+    """Refuse what :func:`paged_attention` cannot read: it takes a floating ``query``
+    ``(num_seqs, num_heads, head_dim)`` and pools ``(num_blocks, kv_heads, block_size,
+    head_dim)`` (``num_heads`` a multiple of ``kv_heads``), integer ``block_tables``
+    ``(num_seqs, max_blocks)`` and ``context_lens`` ``(num_seqs,)``."""
     for name, t in (("query", query), ("k_pool", k_pool), ("v_pool", v_pool)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(
@@ -259,8 +238,23 @@ def paged_attention(
         raise ValueError(
             f"context_lens must be (num_seqs={num_seqs},) (got {tuple(context_lens.shape)})"
         )
+
+
+def _used_tables(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_tables`` ``(num_seqs, max_blocks)`` with the entries past each sequence's last
+    block zeroed, and ``context_lens`` ``(num_seqs,)``, both int64 on ``device``.
+
+    Raises:
+        ValueError: a length outside ``[1, max_blocks * block_size]``, or a used entry that is
+            not a block of the pool.
+    """
     max_blocks = block_tables.shape[1]
-    device = query.device
     block_tables = block_tables.to(device=device, dtype=torch.long)
     context_lens = context_lens.to(device=device, dtype=torch.long)
     if bool((context_lens < 1).any()) or bool((context_lens > max_blocks * block_size).any()):
@@ -276,6 +270,43 @@ def paged_attention(
     if bool(bad.any()):
         raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) in used entries")
     tables = torch.where(used, block_tables, torch.zeros_like(block_tables))
+    return tables, context_lens
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One decode step of attention, reading K/V through block tables (reference implementation).
+
+    Args:
+        query: ``(num_seqs, num_heads, head_dim)``, one new token per sequence.
+        k_pool, v_pool: ``(num_blocks, kv_heads, block_size, head_dim)``; ``num_heads`` must be a
+            multiple of ``kv_heads`` (grouped-query attention: query head ``h`` reads KV head
+            ``h // (num_heads // kv_heads)``).
+        block_tables: ``(num_seqs, max_blocks)`` integer; row ``i``'s first
+            ``ceil(context_lens[i] / block_size)`` entries are physical blocks, the rest padding.
+        context_lens: ``(num_seqs,)`` tokens each sequence attends to (≥ 1).
+        scale: softmax scale, default ``head_dim ** -0.5``.
+
+    Returns:
+        ``(num_seqs, num_heads, head_dim)``: softmax over the key axis (each sequence's own
+        ``context_lens[i]`` tokens; the unused tail of the last block and padding blocks are masked).
+
+    All sequences are handled in one batched gather + two matmuls; there is no loop over tokens or
+    sequences. Memory is ``num_seqs × max_blocks × block_size`` keys — a reference, not a fused
+    kernel (vLLM's CUDA kernel reads the blocks in place instead of gathering them).
+    """
+    _check_paged_inputs(query, k_pool, v_pool, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, kv_heads, block_size, _ = k_pool.shape
+    max_blocks = block_tables.shape[1]
+    device = query.device
+    tables, context_lens = _used_tables(block_tables, context_lens, num_blocks, block_size, device)
 
     # Gather whole blocks, keeping the pool's layout: (S, M, KVH, B, D). Flattening to
     # (S, KVH, M*B, D) would copy everything once more; instead the softmax runs over the two

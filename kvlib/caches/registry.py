@@ -32,6 +32,9 @@ name                          cache
 ``paged``                     :class:`kvlib.caches.paged.PagedCache` (notebook 07): the model's
                               dtype in fixed-size blocks of one shared pool; pass
                               ``num_blocks=`` (and ``block_size=``, default 16)
+``kvtc@<share>``              :class:`kvlib.kvtc.codec.KVTCCodec` (notebook 06): PCA transform
+                              coding of a *stored* cache, encoded between turns and decoded
+                              before the next; pass ``basis=`` and ``tokens=``
 ============================  ===============================================================
 
 On a model that mixes sliding-window and global layers (Gemma 2/3), every quantized cache here
@@ -39,6 +42,12 @@ keeps each sliding layer's window in float16 (:class:`kvlib.caches.sliding.Slidi
 quantizes the global layers only; transformers' own ``QuantizedCache`` refuses such a model, so
 its rows get the same windows (:func:`kvlib.compat.hf_quantized_cache`'s ``sliding_layer``) and
 differ from kvlib's only where the quantizer does.
+
+Transform coding (family ``kvtc``) is the one entry that is not a live cache: attention never
+reads it while decoding. A conversation's cache is encoded to bytes when a turn ends and decoded
+into a ``DynamicCache`` before the next, so :func:`make_cache` gives a
+:class:`~kvlib.kvtc.codec.KVTCCodec` for it, sized like an eviction budget (``kvtc@1/4`` stores
+about a quarter of the fp16 bytes of ``tokens`` tokens; :attr:`CacheInfo.stored`).
 
 Token-eviction caches (:class:`kvlib.caches.eviction.cache.EvictionCache`, notebook 11, family
 ``evict``) are in the same table; their size is a budget rather than a bit width, given as part
@@ -69,8 +78,10 @@ from kvlib.caches import kvquant, paged, turboquant
 from kvlib.caches import layout as cache_layout
 from kvlib.caches import quantized as kvcache
 from kvlib.caches.eviction import cache as eviction
+from kvlib.caches.eviction import layer as eviction_layer
 from kvlib.caches.sliding import SlidingWindowLayer
 from kvlib.keys import RowKey
+from kvlib.kvtc import codec as kvtc
 from kvlib.quant import turboquant as tq
 from kvlib.specs import spec_from_config
 from kvlib.validate import check_int
@@ -90,7 +101,7 @@ __all__ = [
 ]
 
 #: Cache families: who implements the cache, and how (``evict``: kvlib's token eviction,
-#: ``paged``: kvlib's block-paged pool).
+#: ``paged``: kvlib's block-paged pool, ``kvtc``: kvlib's transform coding of a stored cache).
 FAMILIES: tuple[str, ...] = (
     "dynamic",
     "kvlib",
@@ -101,6 +112,7 @@ FAMILIES: tuple[str, ...] = (
     "kvquant",
     "evict",
     "paged",
+    "kvtc",
 )
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -118,7 +130,8 @@ class CacheInfo:
         name: the registry name (:data:`CACHE_NAMES`).
         family: one of :data:`FAMILIES`.
         bits: bits per cached code (the dtype's width for the reference DynamicCache; 16 for the
-            paged cache, which holds whatever the model computes: :meth:`cache_bits`).
+            paged cache, which holds whatever the model computes: :meth:`cache_bits`; 16 for
+            ``kvtc``'s float16 window, whose codes take the bits its budget leaves).
         group_size: values per scale (and zero point) for the memory prediction: the finer of
             the key and value groups, so the prediction is an upper bound; ``None`` where there
             is no per-group metadata (the reference, fp8's one scale per tensor).
@@ -146,7 +159,14 @@ class CacheInfo:
     def budgeted(self) -> bool:
         """Whether the cache takes a budget (a share of the fp16 bytes, ``name@1/4``): the
         eviction caches, whose size is a budget rather than a bit width."""
-        return self.family == "evict"
+        return self.family in ("evict", "kvtc")
+
+    @property
+    def stored(self) -> bool:
+        """Whether the name is a stored cache's codec (``kvtc``): encoded between turns and
+        decoded before the next, never read while decoding; its factory builds a
+        :class:`~kvlib.kvtc.codec.KVTCCodec`, not a transformers ``Cache``."""
+        return self.family == "kvtc"
 
     def cache_bits(self, dtype_bits: int = 16) -> int:
         """Bits per cached value when the model computes in ``dtype_bits``-bit floats.
@@ -156,8 +176,14 @@ class CacheInfo:
         whatever it is.
 
         Raises:
-            ValueError: a reference named for another dtype (use :func:`reference_name`).
+            ValueError: a reference named for another dtype (use :func:`reference_name`); a
+                stored cache (``kvtc``), whose bits follow its budget and basis.
         """
+        if self.stored:
+            raise ValueError(
+                f"{self.name!r} has no fixed bits per value: its codes take what the budget "
+                "leaves (KVTCCodec.inspect(data) gives a stored cache's bytes)"
+            )
         if self.family == "paged":
             return dtype_bits
         if self.family == "dynamic" and dtype_bits != self.bits:
@@ -172,6 +198,8 @@ class CacheInfo:
         model's transformers config); ``options`` override this variant's own."""
         if self.family == "evict":
             return _eviction_factory(self, config, None, **options)
+        if self.family == "kvtc":
+            return _kvtc_factory(self, None, **options)
         merged = {**self.options, **options}
         if self.family == "dynamic":
             if merged:
@@ -477,9 +505,9 @@ def _eviction_entries() -> list[CacheInfo]:
                 f"evict-{policy}-int4",
                 "evict",
                 4,
-                eviction.GROUP_SIZE,
+                eviction_layer.GROUP_SIZE,
                 INT_RESIDUAL,
-                f"{line}; kept tokens in int4 (per token, {eviction.GROUP_SIZE} channels per "
+                f"{line}; kept tokens in int4 (per token, {eviction_layer.GROUP_SIZE} channels per "
                 f"scale), the newest {INT_RESIDUAL} in float16",
                 MappingProxyType({"dtype": torch.float16, "bits": 4, "residual": INT_RESIDUAL}),
                 policy=policy,
@@ -530,6 +558,71 @@ def _eviction_factory(
     return lambda: eviction.EvictionCache(config, info.policy, tokens_budget, **merged)
 
 
+# ------------------------------------------------------------- transform coding (stored)
+
+
+#: Share of a ``kvtc@<share>`` budget that the codes are sized for: entropy coding lands them at
+#: 0.9-1.0 of the bits the allocation spends (notebook 06), so aiming at 95 % keeps the stored
+#: bytes within the budget.
+KVTC_AIM = 0.95
+
+
+def _kvtc_factory(
+    info: CacheInfo,
+    share: Fraction | None,
+    *,
+    basis: Any = None,
+    tokens: int | None = None,
+    **options: Any,
+) -> Callable[[], Any]:
+    """A codec whose stored bytes for ``tokens`` tokens aim at ``KVTC_AIM · share`` of fp16's:
+    the float16 window's share is paid first and the codes get the rest. An aim, not a bound:
+    where the window takes most of the budget, the codes can land a few per cent over."""
+    merged = {**info.options, **options}
+    if basis is None:
+        raise ValueError(f"{info.name!r} needs basis= (a kvlib.kvtc.pca.KVPCABasis of the model)")
+    if share is not None:
+        if tokens is None:
+            raise ValueError(
+                f"{info.name}@{share} stores {share} of the fp16 bytes of the tokens it will "
+                "hold: pass tokens=<that many>"
+            )
+        if "compression" in merged:
+            raise ValueError(
+                f"{info.name}@{share} already has a budget: pass compression= to the bare name"
+            )
+        check_int(tokens, "tokens", minimum=1)
+        window = (merged["sink_tokens"] + merged["recent_tokens"]) / tokens
+        aim = KVTC_AIM * share.numerator / share.denominator
+        if aim <= window:
+            raise ValueError(
+                f"{info.name}@{share}: the float16 window alone ({window:.3f} of the fp16 bytes "
+                f"at {tokens} tokens) takes the whole budget; pass more tokens or a larger share"
+            )
+        merged["compression"] = (1 - window) / (aim - window)
+    elif tokens is not None:
+        raise ValueError(f"tokens= sets a fractional budget: name it, as in {info.name}@1/4")
+    kvtc.KVTCCodec(basis, **merged)  # bad options fail here, not at first use
+    return lambda: kvtc.KVTCCodec(basis, **merged)
+
+
+#: The float16 window (sinks, newest tokens) of a ``kvtc`` stored cache: smaller than the
+#: codec's default 128 newest tokens, so that a 1/8 budget at 1,024 tokens leaves the codes
+#: room (the eviction benchmark's setting).
+KVTC_WINDOW = (4, 32)
+
+_KVTC = CacheInfo(
+    "kvtc",
+    "kvtc",
+    16,
+    None,
+    sum(KVTC_WINDOW),
+    f"PCA transform coding of a stored cache (KVTCCodec, lzma): {KVTC_WINDOW[0]} sinks and the "
+    f"newest {KVTC_WINDOW[1]} tokens in float16, the rest as PCA codes (basis=, tokens=)",
+    MappingProxyType({"sink_tokens": KVTC_WINDOW[0], "recent_tokens": KVTC_WINDOW[1]}),
+    requires=("basis",),
+)
+
 _PAGED = CacheInfo(
     "paged",
     "paged",
@@ -551,11 +644,13 @@ _ENTRIES: dict[str, CacheInfo] = {
         *_kvquant_entries(),
         *_eviction_entries(),
         _PAGED,
+        _KVTC,
     )
 }
 
 #: Every cache name, in display order: the references, kvlib's quantized caches, transformers'
-#: own, the eviction caches (which take a budget: ``evict-h2o-int4@1/4``), the paged cache.
+#: own, the eviction caches (which take a budget: ``evict-h2o-int4@1/4``), the paged cache, the
+#: stored cache's codec (``kvtc@1/4``).
 CACHE_NAMES: tuple[str, ...] = tuple(_ENTRIES)
 
 #: The eviction caches' names: ``evict-<policy>`` (float16) and ``evict-<policy>-int4``.
@@ -637,6 +732,8 @@ def cache_factory(name: str, config: Any, **options: Any) -> Callable[[], Any]:
     info, budget = _split(name)
     if info.family == "evict":
         return _eviction_factory(info, config, budget, **options)
+    if info.family == "kvtc":
+        return _kvtc_factory(info, budget, **options)
     return info.factory(config, **options)
 
 

@@ -5,6 +5,7 @@ module             what it holds                                                
 =================  ==============================================================  ==========
 ``capture``        capturing a real model's Q/K/V, attention-output error          02, 03, 05
 ``quality``        perplexity with the cache really read, generation speed         04, 06
+``passkey``        the pass-key prompt: a key hidden in filler at a chosen depth   11
 ``retrieval``      a seeded pass-key task, accuracy with a Wilson interval         11
 ``serving``        trace-driven serving simulation (waste, concurrency)            07
 ``model_choice``   which model to run on this device; random real architectures    08
@@ -18,7 +19,16 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["capacity", "capture", "compare", "model_choice", "quality", "retrieval", "serving"]
+__all__ = [
+    "capacity",
+    "capture",
+    "compare",
+    "model_choice",
+    "passkey",
+    "quality",
+    "retrieval",
+    "serving",
+]
 
 
 def __getattr__(name: str) -> ModuleType:

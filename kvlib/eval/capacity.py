@@ -350,52 +350,88 @@ def what_fits(
         measure = runner is not None or (model is not None and device.type == "cuda")
     emulate = runner is None  # the real probe runs under the emulated budget
     if measure and runner is None:
-        if model is None:
-            raise ValueError("measuring what fits needs a loaded model (or a runner)")
-        if device.type != "cuda":
-            raise ValueError(f"measuring what fits needs CUDA (got {device}); pass a runner")
-
-        def runner(name: str, context: int, batch: int) -> Any:
-            return fill_and_step(model, cache_factory(name, model.config), context, batch)
-
+        runner = _real_runner(model, device)
     max_ctx = spec.max_position_embeddings
     rows = []
     for name in names:
-        info = cache_info(name)
-        bits = info.cache_bits(dtype_bits)
-        group = info.group_size if bits < 16 else None
-        common = dict(bits=bits, weight_bits=wbits, overhead_bytes=overhead_bytes, group_size=group)
-        memory_ctx = kvmem.max_context(spec, budget_bytes, batch_size=1, **common)
-        p_ctx = memory_ctx if max_ctx is None else min(memory_ctx, max_ctx)
-        p_batch = kvmem.max_batch(spec, budget_bytes, batch_context, **common)
-        row = FitRow(name, bits, int(budget_bytes), batch_context, p_ctx, p_batch)
-        notes = []
-        if memory_ctx > p_ctx:
-            notes.append(f"context capped at the model's maximum ({max_ctx} tokens)")
+        row, notes = _predict(
+            spec, name, budget_bytes, batch_context, dtype_bits, wbits, overhead_bytes
+        )
         if measure:
             assert runner is not None
-            probe_ctx = _probe_for(runner, name, batch=1)
-            probe_batch = _probe_for(runner, name, context=batch_context)
             with _budget(budget_bytes, device, emulate=emulate):
-                if p_ctx >= kvmem.UNBOUNDED:
-                    notes.append("memory does not limit the context (sliding window)")
-                else:
-                    row.measured_max_context, row.context_resolution = search_max(
-                        lambda n, f=probe_ctx: _fits(f, n, device),
-                        max(p_ctx, context_step),
-                        step=context_step,
-                        max_probes=max_probes,
-                        upper=max_ctx,
-                    )
-                row.measured_max_batch, row.batch_resolution = search_max(
-                    lambda n, f=probe_batch: _fits(f, n, device),
-                    max(p_batch, 1),
-                    step=1,
-                    max_probes=max_probes,
-                )
+                _measure(row, notes, runner, device, context_step, max_probes, max_ctx)
         row.note = "; ".join(notes)
         rows.append(row)
     return rows
+
+
+def _predict(
+    spec: ModelSpec,
+    name: str,
+    budget_bytes: float,
+    batch_context: int,
+    dtype_bits: int,
+    wbits: int,
+    overhead_bytes: float,
+) -> tuple[FitRow, list[str]]:
+    """The predicted row of cache ``name`` (context capped at the model's maximum) and its notes."""
+    max_ctx = spec.max_position_embeddings
+    info = cache_info(name)
+    bits = info.cache_bits(dtype_bits)
+    group = info.group_size if bits < 16 else None
+    common = dict(bits=bits, weight_bits=wbits, overhead_bytes=overhead_bytes, group_size=group)
+    memory_ctx = kvmem.max_context(spec, budget_bytes, batch_size=1, **common)
+    p_ctx = memory_ctx if max_ctx is None else min(memory_ctx, max_ctx)
+    p_batch = kvmem.max_batch(spec, budget_bytes, batch_context, **common)
+    row = FitRow(name, bits, int(budget_bytes), batch_context, p_ctx, p_batch)
+    notes = []
+    if memory_ctx > p_ctx:
+        notes.append(f"context capped at the model's maximum ({max_ctx} tokens)")
+    return row, notes
+
+
+def _real_runner(model: Any, device: torch.device) -> Callable[[str, int, int], Any]:
+    """The default :func:`what_fits` probe: :func:`fill_and_step` with ``model`` (CUDA only)."""
+    if model is None:
+        raise ValueError("measuring what fits needs a loaded model (or a runner)")
+    if device.type != "cuda":
+        raise ValueError(f"measuring what fits needs CUDA (got {device}); pass a runner")
+
+    def runner(name: str, context: int, batch: int) -> Any:
+        return fill_and_step(model, cache_factory(name, model.config), context, batch)
+
+    return runner
+
+
+def _measure(
+    row: FitRow,
+    notes: list[str],
+    runner: Callable[[str, int, int], Any],
+    device: torch.device,
+    context_step: int,
+    max_probes: int,
+    max_ctx: int | None,
+) -> None:
+    """Search the longest context (batch 1) and the largest batch of ``row``'s cache, in place."""
+    probe_ctx = _probe_for(runner, row.cache, batch=1)
+    probe_batch = _probe_for(runner, row.cache, context=row.batch_context)
+    if row.predicted_max_context >= kvmem.UNBOUNDED:
+        notes.append("memory does not limit the context (sliding window)")
+    else:
+        row.measured_max_context, row.context_resolution = search_max(
+            lambda n: _fits(probe_ctx, n, device),
+            max(row.predicted_max_context, context_step),
+            step=context_step,
+            max_probes=max_probes,
+            upper=max_ctx,
+        )
+    row.measured_max_batch, row.batch_resolution = search_max(
+        lambda n: _fits(probe_batch, n, device),
+        max(row.predicted_max_batch, 1),
+        step=1,
+        max_probes=max_probes,
+    )
 
 
 def _probe_for(runner: Callable[..., Any], name: str, **fixed: int) -> Callable[[int], Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from kvlib.caches.registry import (
     reference_name,
 )
 from kvlib.eval.capacity import release_memory
+
+if TYPE_CHECKING:
+    from kvlib.eval.quality import GenerationBenchmark
 
 __all__ = [
     "AGREEMENT_LIMITS",
@@ -80,6 +83,37 @@ def _dtype_bits(model: Any) -> int:
 def _reference(model: Any) -> str:
     """The reference cache's name for ``model``'s dtype (``"dynamic-fp32"``, …)."""
     return reference_name(next(model.parameters()).dtype)
+
+
+def _row(
+    name: str,
+    dtype_bits: int,
+    bench: GenerationBenchmark,
+    ppl: float | None,
+    delta: float | None,
+    tokenizer: Any,
+    sample_tokens: int,
+) -> ComparisonRow:
+    """One cache's :class:`ComparisonRow` from its generation benchmark and perplexity."""
+    sample_ids = list(bench.generated_ids[:sample_tokens])
+    sample = tokenizer.decode(sample_ids) if tokenizer is not None else ""
+    peak = bench.peak_memory_bytes
+    return ComparisonRow(
+        cache=name,
+        bits=cache_info(name).cache_bits(dtype_bits),
+        prompt_tokens=bench.prompt_tokens,
+        new_tokens=bench.new_tokens,
+        cache_bytes=bench.cache_nbytes,
+        memory_bytes=peak if peak is not None else bench.cache_nbytes,
+        memory_kind="peak allocated" if peak is not None else "cache bytes",
+        peak_memory_bytes=peak,
+        decode_tokens_per_s=bench.decode_tokens_per_s,
+        time_to_first_token_s=bench.time_to_first_token_s,
+        perplexity=ppl,
+        ppl_delta_pct=delta,
+        sample=sample,
+        sample_ids=sample_ids,
+    )
 
 
 def run_cache_comparison(
@@ -147,27 +181,7 @@ def run_cache_comparison(
         if eval_ids is not None and reference_ppl is not None:
             ppl = perplexity(model, eval_ids, cache=factory(), chunk_size=chunk_size)
             delta = 100.0 * (ppl / reference_ppl - 1.0)
-        sample_ids = list(bench.generated_ids[:sample_tokens])
-        sample = tokenizer.decode(sample_ids) if tokenizer is not None else ""
-        peak = bench.peak_memory_bytes
-        rows.append(
-            ComparisonRow(
-                cache=name,
-                bits=cache_info(name).cache_bits(dtype_bits),
-                prompt_tokens=bench.prompt_tokens,
-                new_tokens=bench.new_tokens,
-                cache_bytes=bench.cache_nbytes,
-                memory_bytes=peak if peak is not None else bench.cache_nbytes,
-                memory_kind="peak allocated" if peak is not None else "cache bytes",
-                peak_memory_bytes=peak,
-                decode_tokens_per_s=bench.decode_tokens_per_s,
-                time_to_first_token_s=bench.time_to_first_token_s,
-                perplexity=ppl,
-                ppl_delta_pct=delta,
-                sample=sample,
-                sample_ids=sample_ids,
-            )
-        )
+        rows.append(_row(name, dtype_bits, bench, ppl, delta, tokenizer, sample_tokens))
         del factory, bench
         device = next(model.parameters()).device
         if device.type == "cuda":

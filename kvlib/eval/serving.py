@@ -179,6 +179,251 @@ class _Running:
     generated: int = 0
 
 
+def _seq_ids(r: Request) -> list[tuple[int, int]]:
+    """The sequence ids of ``r``'s samples in the block allocator."""
+    return [(r.req_id, s) for s in range(r.num_samples)]
+
+
+def _reservation(r: Request, policy: str, max_len: int) -> int:
+    """Slots a contiguous policy reserves when it admits ``r``."""
+    per = max_len if policy == "contiguous-max" else r.prompt_len + r.output_len
+    return per * r.num_samples
+
+
+def _check_config(
+    requests: list[Request], policy: str, block_size: int, share_prefix: bool, bytes_per_token: int
+) -> None:
+    """Reject an unknown policy, bad sizes, a contiguous shared prefix or an empty trace."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES} (got {policy!r})")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (got {block_size!r})")
+    if share_prefix and policy != "paged":
+        raise ValueError(
+            "share_prefix=True needs policy='paged' (contiguous buffers cannot be shared)"
+        )
+    if not isinstance(bytes_per_token, int) or bytes_per_token < 1:
+        raise ValueError(f"bytes_per_token must be a positive int (got {bytes_per_token!r})")
+    if not requests:
+        raise ValueError("requests is empty; build one with make_trace()")
+
+
+def _check_requests(
+    requests: list[Request],
+    policy: str,
+    bs: int,
+    capacity: int,
+    capacity_bytes: int,
+    bytes_per_token: int,
+    max_len: int,
+    max_num_seqs: int,
+) -> None:
+    """Reject a request longer than ``max_len`` or one that could never fit even alone."""
+    for r in requests:
+        if r.prompt_len + r.output_len > max_len:
+            raise ValueError(
+                f"request {r.req_id} needs {r.prompt_len + r.output_len} > max_len {max_len}"
+            )
+        need = (
+            blocks_needed(r.prompt_len + r.output_len, bs) * r.num_samples * bs
+            if policy == "paged"
+            else _reservation(r, policy, max_len)
+        )
+        if need > capacity or r.num_samples > max_num_seqs:
+            raise ValueError(
+                f"request {r.req_id} needs {need} KV slots alone but capacity is {capacity} "
+                f"({capacity_bytes} bytes / {bytes_per_token} bytes per token)"
+            )
+
+
+class _Engine:
+    """The simulated engine's KV memory: a block pool (paged) or contiguous reservations."""
+
+    def __init__(
+        self,
+        policy: str,
+        capacity: int,
+        bs: int,
+        max_len: int,
+        share_prefix: bool,
+        watermark: float,
+    ) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self.bs = bs
+        self.max_len = max_len
+        self.share_prefix = share_prefix
+        self.alloc = BlockAllocator(max(capacity // bs, 1), bs) if policy == "paged" else None
+        self.keep_free = int(watermark * self.alloc.num_blocks) if self.alloc else 0
+        self.reserved_contig = 0
+
+    def reserved(self) -> int:
+        """KV slots reserved now (whole blocks when paged)."""
+        return self.alloc.num_used * self.bs if self.alloc is not None else self.reserved_contig
+
+    def release(self, run: _Running) -> None:
+        """Free what ``run`` holds."""
+        if self.alloc is not None:
+            for sid in _seq_ids(run.req):
+                self.alloc.free(sid)
+        else:
+            self.reserved_contig -= _reservation(run.req, self.policy, self.max_len)
+
+    def used_slots(self, run: _Running) -> int:
+        """Distinct tokens ``run`` stores (a shared prompt counts once)."""
+        r = run.req
+        if self.share_prefix:
+            return r.prompt_len + r.num_samples * run.generated
+        return r.num_samples * (r.prompt_len + run.generated)
+
+    def blocks_for_step(self, run: _Running) -> int:
+        """Exact new blocks one more token per sample takes (new blocks + copies on write)."""
+        alloc, bs = self.alloc, self.bs
+        assert alloc is not None
+        need, counts = 0, {}
+        for sid in _seq_ids(run.req):
+            if alloc.seq_len(sid) % bs == 0:
+                need += 1
+                continue
+            last = alloc.last_block(sid)
+            c = counts.get(last, alloc.refcount(last))
+            if c > 1:
+                need += 1
+                counts[last] = c - 1
+        return need
+
+    def blocks_to_admit(self, run: _Running) -> int:
+        """Blocks (re)admitting ``run`` takes, copies on write included (exact)."""
+        r, g, bs = run.req, run.generated, self.bs
+        if not self.share_prefix:
+            return r.num_samples * blocks_needed(r.prompt_len + g, bs)
+        if g == 0:
+            return blocks_needed(r.prompt_len, bs)
+        # The full prompt blocks stay shared; every sample ends up with its own copy of the
+        # partly filled one (all but the last writer copy it) plus the blocks of its g tokens.
+        full = r.prompt_len // bs
+        return full + r.num_samples * (blocks_needed(r.prompt_len + g, bs) - full)
+
+    def decode(self, running: list[_Running], queue: deque[_Running]) -> int:
+        """One decode step: every running sequence appends one token (oldest request first);
+        when the pool is short, the youngest running request is preempted (vLLM's recompute
+        policy) and goes back to the front of ``queue``. Returns the preemptions."""
+        alloc = self.alloc
+        preemptions = 0
+        i = 0
+        while i < len(running):
+            run = running[i]
+            if alloc is not None:
+                need = self.blocks_for_step(run)
+                while alloc.num_free < need and running[-1] is not run:
+                    victim = running.pop()
+                    self.release(victim)
+                    preemptions += 1
+                    queue.appendleft(victim)
+                if alloc.num_free < need:  # run is the youngest: preempt it
+                    running.pop()
+                    self.release(run)
+                    preemptions += 1
+                    queue.appendleft(run)
+                    break
+                for sid in _seq_ids(run.req):
+                    alloc.append_slots(sid, 1)
+            run.generated += 1
+            i += 1
+        return preemptions
+
+    def admit(
+        self, running: list[_Running], queue: deque[_Running], step: int, max_num_seqs: int
+    ) -> None:
+        """Admit waiting requests (FCFS, no skipping) while they fit."""
+        alloc = self.alloc
+        while queue:
+            run = queue[0]
+            r = run.req
+            if sum(x.req.num_samples for x in running) + r.num_samples > max_num_seqs:
+                break
+            if alloc is not None:
+                if alloc.num_free - self.blocks_to_admit(run) < (self.keep_free if running else 0):
+                    break
+                first, *rest = _seq_ids(r)
+                alloc.allocate(first, r.prompt_len)
+                for sid in rest:
+                    if self.share_prefix:
+                        alloc.fork(first, sid)
+                    else:
+                        alloc.allocate(sid, r.prompt_len)
+                if run.generated:
+                    for sid in _seq_ids(r):
+                        alloc.append_slots(sid, run.generated)
+            else:
+                reservation = _reservation(r, self.policy, self.max_len)
+                if self.reserved_contig + reservation > self.capacity:
+                    break
+                self.reserved_contig += reservation
+            queue.popleft()
+            run.admitted = step
+            running.append(run)
+
+
+@dataclass
+class _Timelines:
+    """What :func:`simulate_serving` records step by step."""
+
+    reserved: list[int] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)
+    concurrent: list[int] = field(default_factory=list)
+    waiting: list[bool] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    preemptions: int = 0
+
+    def record(self, engine: _Engine, running: list[_Running], queue: deque[_Running]) -> None:
+        """Record this step's reserved and used slots, sequences running and waiting."""
+        self.reserved.append(engine.reserved())
+        self.used.append(sum(engine.used_slots(x) for x in running))
+        self.concurrent.append(sum(x.req.num_samples for x in running))
+        self.waiting.append(bool(queue))
+
+    def retire(self, engine: _Engine, running: list[_Running], step: int) -> list[_Running]:
+        """Release the finished requests, record their latency; return those still running."""
+        still = []
+        for run in running:
+            if run.generated >= run.req.output_len:
+                engine.release(run)
+                self.latencies.append(step + 1 - run.req.arrival)
+            else:
+                still.append(run)
+        self.finished.append(len(self.latencies))
+        return still
+
+    def stats(
+        self, policy: str, bs: int, share_prefix: bool, capacity: int, steps: int
+    ) -> ServingStats:
+        """The :class:`ServingStats` of a finished run of ``steps`` steps."""
+        conc_t = self.concurrent
+        busy = [c for c, w in zip(conc_t, self.waiting, strict=True) if w]
+        total_reserved = sum(self.reserved)
+        waste = (total_reserved - sum(self.used)) / total_reserved if total_reserved else 0.0
+        return ServingStats(
+            policy=policy,
+            block_size=bs,
+            share_prefix=share_prefix,
+            capacity_tokens=capacity,
+            waste_fraction=waste,
+            peak_concurrent=max(conc_t),
+            mean_concurrent=float(np.mean(conc_t)),
+            busy_concurrent=float(np.mean(busy)) if busy else float(np.mean(conc_t)),
+            completed=len(self.latencies),
+            makespan=steps,
+            preemptions=self.preemptions,
+            mean_latency=float(np.mean(self.latencies)),
+            reserved=self.reserved,
+            used=self.used,
+            concurrent=conc_t,
+            finished=self.finished,
+        )
+
+
 def simulate_serving(
     requests: list[Request],
     capacity_bytes: int,
@@ -210,191 +455,28 @@ def simulate_serving(
     Raises:
         ValueError: unknown policy, or a request that could never fit even alone.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES} (got {policy!r})")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int (got {block_size!r})")
-    if share_prefix and policy != "paged":
-        raise ValueError(
-            "share_prefix=True needs policy='paged' (contiguous buffers cannot be shared)"
-        )
-    if not isinstance(bytes_per_token, int) or bytes_per_token < 1:
-        raise ValueError(f"bytes_per_token must be a positive int (got {bytes_per_token!r})")
-    if not requests:
-        raise ValueError("requests is empty; build one with make_trace()")
+    _check_config(requests, policy, block_size, share_prefix, bytes_per_token)
     capacity = int(capacity_bytes) // bytes_per_token
-    paged = policy == "paged"
-    bs = block_size if paged else 1
-
-    def reservation(r: Request) -> int:  # contiguous policies: slots reserved at admission
-        per = max_len if policy == "contiguous-max" else r.prompt_len + r.output_len
-        return per * r.num_samples
-
-    for r in requests:
-        if r.prompt_len + r.output_len > max_len:
-            raise ValueError(
-                f"request {r.req_id} needs {r.prompt_len + r.output_len} > max_len {max_len}"
-            )
-        need = (
-            blocks_needed(r.prompt_len + r.output_len, bs) * r.num_samples * bs
-            if paged
-            else reservation(r)
-        )
-        if need > capacity or r.num_samples > max_num_seqs:
-            raise ValueError(
-                f"request {r.req_id} needs {need} KV slots alone but capacity is {capacity} "
-                f"({capacity_bytes} bytes / {bytes_per_token} bytes per token)"
-            )
-
-    alloc = BlockAllocator(max(capacity // bs, 1), bs) if paged else None
-    keep_free = int(watermark * alloc.num_blocks) if alloc else 0
+    bs = block_size if policy == "paged" else 1
+    _check_requests(
+        requests, policy, bs, capacity, capacity_bytes, bytes_per_token, max_len, max_num_seqs
+    )
+    engine = _Engine(policy, capacity, bs, max_len, share_prefix, watermark)
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     queue: deque[_Running] = deque()  # preempted requests go back to the front, progress kept
     running: list[_Running] = []
-    reserved_contig = 0
-    reserved_t: list[int] = []
-    used_t: list[int] = []
-    conc_t: list[int] = []
-    waiting_t: list[bool] = []
-    finished_t: list[int] = []
-    latencies: list[float] = []
-    preemptions = 0
+    timelines = _Timelines()
     step = 0
-
-    def seq_ids(r: Request) -> list[tuple[int, int]]:
-        return [(r.req_id, s) for s in range(r.num_samples)]
-
-    def release(run: _Running) -> None:
-        nonlocal reserved_contig
-        if alloc is not None:
-            for sid in seq_ids(run.req):
-                alloc.free(sid)
-        else:
-            reserved_contig -= reservation(run.req)
-
-    def used_slots(run: _Running) -> int:
-        r = run.req
-        if share_prefix:
-            return r.prompt_len + r.num_samples * run.generated
-        return r.num_samples * (r.prompt_len + run.generated)
-
-    def blocks_for_step(run: _Running) -> int:
-        """Exact new blocks one more token per sample takes (new blocks + copies on write)."""
-        assert alloc is not None
-        need, counts = 0, {}
-        for sid in seq_ids(run.req):
-            if alloc.seq_len(sid) % bs == 0:
-                need += 1
-                continue
-            last = alloc.last_block(sid)
-            c = counts.get(last, alloc.refcount(last))
-            if c > 1:
-                need += 1
-                counts[last] = c - 1
-        return need
-
-    def blocks_to_admit(run: _Running) -> int:
-        """Blocks (re)admitting ``run`` takes, copies on write included (exact)."""
-        r, g = run.req, run.generated
-        if not share_prefix:
-            return r.num_samples * blocks_needed(r.prompt_len + g, bs)
-        if g == 0:
-            return blocks_needed(r.prompt_len, bs)
-        # The full prompt blocks stay shared; every sample ends up with its own copy of the
-        # partly filled one (all but the last writer copy it) plus the blocks of its g tokens.
-        full = r.prompt_len // bs
-        return full + r.num_samples * (blocks_needed(r.prompt_len + g, bs) - full)
-
     while pending or queue or running:
         while pending and pending[0].arrival <= step:
             queue.append(_Running(pending.popleft(), admitted=-1))
-        # 1. decode: every running sequence appends one token (oldest request first); when the
-        #    pool is short, the youngest running request is preempted (vLLM's recompute policy).
-        i = 0
-        while i < len(running):
-            run = running[i]
-            if alloc is not None:
-                need = blocks_for_step(run)
-                while alloc.num_free < need and running[-1] is not run:
-                    victim = running.pop()
-                    release(victim)
-                    preemptions += 1
-                    queue.appendleft(victim)
-                if alloc.num_free < need:  # run is the youngest: preempt it
-                    running.pop()
-                    release(run)
-                    preemptions += 1
-                    queue.appendleft(run)
-                    break
-                for sid in seq_ids(run.req):
-                    alloc.append_slots(sid, 1)
-            run.generated += 1
-            i += 1
-        # 2. admit waiting requests (FCFS, no skipping) while they fit.
-        while queue:
-            run = queue[0]
-            r = run.req
-            if sum(x.req.num_samples for x in running) + r.num_samples > max_num_seqs:
-                break
-            if alloc is not None:
-                if alloc.num_free - blocks_to_admit(run) < (keep_free if running else 0):
-                    break
-                first, *rest = seq_ids(r)
-                alloc.allocate(first, r.prompt_len)
-                for sid in rest:
-                    if share_prefix:
-                        alloc.fork(first, sid)
-                    else:
-                        alloc.allocate(sid, r.prompt_len)
-                if run.generated:
-                    for sid in seq_ids(r):
-                        alloc.append_slots(sid, run.generated)
-            else:
-                if reserved_contig + reservation(r) > capacity:
-                    break
-                reserved_contig += reservation(r)
-            queue.popleft()
-            run.admitted = step
-            running.append(run)
+        timelines.preemptions += engine.decode(running, queue)  # 1. decode
+        engine.admit(running, queue, step, max_num_seqs)  # 2. admit waiting requests
         if queue and not running:  # the whole pool is free and the head still does not fit
             raise RuntimeError(  # pragma: no cover - the up-front check rules this out
                 f"request {queue[0].req.req_id} cannot be admitted into an empty engine"
             )
-        # 3. record this step, then retire finished requests.
-        reserved = alloc.num_used * bs if alloc is not None else reserved_contig
-        reserved_t.append(reserved)
-        used_t.append(sum(used_slots(x) for x in running))
-        conc_t.append(sum(x.req.num_samples for x in running))
-        waiting_t.append(bool(queue))
-        still = []
-        for run in running:
-            if run.generated >= run.req.output_len:
-                release(run)
-                latencies.append(step + 1 - run.req.arrival)
-            else:
-                still.append(run)
-        running = still
-        finished_t.append(len(latencies))
+        timelines.record(engine, running, queue)  # 3. record this step, then retire
+        running = timelines.retire(engine, running, step)
         step += 1
-
-    busy = [c for c, w in zip(conc_t, waiting_t, strict=True) if w]
-    total_reserved = sum(reserved_t)
-    waste = (total_reserved - sum(used_t)) / total_reserved if total_reserved else 0.0
-    return ServingStats(
-        policy=policy,
-        block_size=bs,
-        share_prefix=share_prefix,
-        capacity_tokens=capacity,
-        waste_fraction=waste,
-        peak_concurrent=max(conc_t),
-        mean_concurrent=float(np.mean(conc_t)),
-        busy_concurrent=float(np.mean(busy)) if busy else float(np.mean(conc_t)),
-        completed=len(latencies),
-        makespan=step,
-        preemptions=preemptions,
-        mean_latency=float(np.mean(latencies)),
-        reserved=reserved_t,
-        used=used_t,
-        concurrent=conc_t,
-        finished=finished_t,
-    )
+    return timelines.stats(policy, bs, share_prefix, capacity, step)

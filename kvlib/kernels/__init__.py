@@ -3,7 +3,8 @@
 ====================  ===========================================================
 module                what it holds
 ====================  ===========================================================
-``decode``            ``PackedKV``, the kernel's entry point and its reference
+``packed``            ``PackedKV``: one layer's cache as the kernel reads it
+``decode``            the kernel's entry point and its reference
 ``fused_attention``   routing transformers' attention to the kernel
 ``_triton``           the Triton source (imported only where Triton is installed)
 ====================  ===========================================================
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["decode", "fused_attention"]
+__all__ = ["decode", "fused_attention", "packed"]
 
 
 def __getattr__(name: str) -> ModuleType:

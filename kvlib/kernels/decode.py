@@ -9,7 +9,7 @@ registers*, inside the attention kernel. Dequantizing the whole past into a floa
 writes a full fp16 copy and reads it again: slower than fp16.
 
 :func:`decode_attention` computes ``softmax(q K^T * scaling) V`` for one query token over a
-layer's :class:`PackedKV` (tensors in the transformers convention ``(batch, kv_heads, seq_len,
+layer's :class:`~kvlib.kernels.packed.PackedKV` (tensors in the transformers convention ``(batch, kv_heads, seq_len,
 head_dim)``; tokens in order ``[sinks | quantized blocks | window]``):
 
 * ``backend="triton"``: the fused kernel (source in ``kvlib.kernels._triton``). Each program
@@ -37,15 +37,13 @@ import importlib.util
 import math
 import os
 import sys
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvlib.quant.rotation import unrotate
-from kvlib.quant.tensor import QuantizedTensor
+from kvlib.kernels.packed import PackedKV
 from kvlib.validate import check_int
 
 __all__ = [
@@ -91,134 +89,6 @@ def _kernels() -> ModuleType:
             "backend='torch' runs without it"
         )
     return importlib.import_module("kvlib.kernels._triton")
-
-
-@dataclass(frozen=True)
-class PackedKV:
-    """One layer's cache as the kernel reads it (the state of a :class:`kvlib.caches.quantized.
-    QuantizedKVLayer`, plus the tokens of the current step).
-
-    Tokens are in order ``[sinks | quantized blocks | window]``, ``T = s + n * R + w``.
-
-    Attributes:
-        sink_keys, sink_values: ``(batch, kv_heads, s, head_dim)`` full precision (``s >= 0``).
-        key_blocks: ``None`` (no block yet) or a :class:`~kvlib.quant.tensor.QuantizedTensor` of shape
-            ``(n, batch, kv_heads, R, head_dim)``, asymmetric, quantized over axis 3 (tokens:
-            per channel) in groups of ``key_group`` tokens, codes laid out in rows
-            ``(n, batch, kv_heads, bytes)`` (``with_rows(3)``).
-        value_blocks: same shape, quantized over axis 4 (head_dim: per token) in groups of
-            ``value_group`` channels; ``None`` exactly when ``key_blocks`` is.
-        window_keys, window_values: ``(batch, kv_heads, w, head_dim)`` full precision: the
-            residual window followed by the step's new token(s).
-        rotation: ``None``, or the orthonormal ``(head_dim, head_dim)`` matrix ``H`` the keys
-            were multiplied by before quantizing (blocks only; sinks and window are not rotated).
-    """
-
-    sink_keys: torch.Tensor
-    sink_values: torch.Tensor
-    key_blocks: QuantizedTensor | None
-    value_blocks: QuantizedTensor | None
-    window_keys: torch.Tensor
-    window_values: torch.Tensor
-    rotation: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.dtype.is_floating_point:
-                raise ValueError(
-                    f"{name} must be a 4-d floating tensor (batch, kv_heads, seq_len, head_dim) "
-                    f"(got {getattr(t, 'shape', type(t).__name__)})"
-                )
-        b, h, _, d = self.window_keys.shape
-        for name in ("sink_keys", "sink_values", "window_values"):
-            t = getattr(self, name)
-            if (t.shape[0], t.shape[1], t.shape[3]) != (b, h, d):
-                raise ValueError(
-                    f"{name} must have shape (batch={b}, kv_heads={h}, seq_len, head_dim={d}) "
-                    f"like window_keys (got {tuple(t.shape)})"
-                )
-        if self.sink_keys.shape[2] != self.sink_values.shape[2]:
-            raise ValueError("sink_keys and sink_values must hold the same number of tokens")
-        if self.window_keys.shape[2] != self.window_values.shape[2]:
-            raise ValueError("window_keys and window_values must hold the same number of tokens")
-        if (self.key_blocks is None) != (self.value_blocks is None):
-            raise ValueError("key_blocks and value_blocks must both be given or both be None")
-        if self.key_blocks is not None:
-            for name, blocks, axis in (
-                ("key_blocks", self.key_blocks, 3),
-                ("value_blocks", self.value_blocks, 4),
-            ):
-                if not isinstance(blocks, QuantizedTensor):
-                    raise TypeError(
-                        f"{name} must be a kvlib.quant.tensor.QuantizedTensor (got {type(blocks).__name__})"
-                    )
-                if len(blocks.shape) != 5 or (
-                    blocks.shape[1],
-                    blocks.shape[2],
-                    blocks.shape[4],
-                ) != (b, h, d):
-                    raise ValueError(
-                        f"{name} must have shape (n, batch={b}, kv_heads={h}, R, head_dim={d}) "
-                        f"(got {tuple(blocks.shape)})"
-                    )
-                if blocks.axis != axis or blocks.symmetric or blocks.packed.dim() != 4:
-                    raise ValueError(
-                        f"{name} must be asymmetric, quantized over axis {axis}, with codes laid "
-                        f"out in rows (n, batch, kv_heads, bytes) (QuantizedTensor.with_rows(3))"
-                    )
-            if self.value_blocks.shape[:4] != self.key_blocks.shape[:4]:
-                raise ValueError(
-                    f"key_blocks and value_blocks must have the same shape "
-                    f"(got {tuple(self.key_blocks.shape)} and {tuple(self.value_blocks.shape)})"
-                )
-        if self.rotation is not None and tuple(self.rotation.shape) != (d, d):
-            raise ValueError(
-                f"rotation must be ({d}, {d}) for head_dim {d} (got {tuple(self.rotation.shape)})"
-            )
-
-    # -- sizes
-    @property
-    def batch_size(self) -> int:
-        return self.window_keys.shape[0]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.window_keys.shape[1]
-
-    @property
-    def head_dim(self) -> int:
-        return self.window_keys.shape[3]
-
-    @property
-    def num_quantized(self) -> int:
-        """Tokens in the quantized blocks, ``n * R``."""
-        if self.key_blocks is None:
-            return 0
-        return self.key_blocks.shape[0] * self.key_blocks.shape[3]
-
-    @property
-    def num_tokens(self) -> int:
-        """All tokens attended to, ``T = s + n * R + w``."""
-        return self.sink_keys.shape[2] + self.num_quantized + self.window_keys.shape[2]
-
-    # -- reference read
-    def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``(batch, kv_heads, T, head_dim)`` in ``dtype``, blocks dequantized
-        and rotated back (exactly what the cache's torch path attends to)."""
-        parts_k = [self.sink_keys.to(dtype)]
-        parts_v = [self.sink_values.to(dtype)]
-        if self.key_blocks is not None:
-            n, b, h, r, d = self.key_blocks.shape
-            kb = self.key_blocks.dequantize(dtype)  # (n, b, h, R, d), block-major
-            if self.rotation is not None:
-                kb = unrotate(kb, self.rotation)
-            vb = self.value_blocks.dequantize(dtype)
-            parts_k.append(kb.permute(1, 2, 0, 3, 4).reshape(b, h, n * r, d))
-            parts_v.append(vb.permute(1, 2, 0, 3, 4).reshape(b, h, n * r, d))
-        parts_k.append(self.window_keys.to(dtype))
-        parts_v.append(self.window_values.to(dtype))
-        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
 
 def step_bytes(kv: PackedKV, query_heads: int | None = None) -> int:
@@ -345,16 +215,8 @@ def _num_splits(kv: PackedKV, device: torch.device, block_tokens: int) -> int:
     return max(1, min(want, tiles, 256))
 
 
-def _triton_decode(
-    query: torch.Tensor,
-    kv: PackedKV,
-    scale: float,
-    mask: torch.Tensor | None,
-    num_splits: int | None,
-    block_tokens: int,
-) -> torch.Tensor:
-    k = _kernels()
-    dev = query.device
+def _check_device(k: ModuleType, dev: torch.device) -> None:
+    """Raise unless the kernels can run on ``dev``: CUDA, or CPU in Triton's interpreter."""
     if dev.type == "cpu" and not (k.INTERPRET and k.LIBRARY_INTERPRETED):
         raise ValueError(
             "the Triton kernel runs on CPU tensors only in the interpreter: set "
@@ -363,14 +225,102 @@ def _triton_decode(
         )
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"the Triton kernel runs on cuda (or cpu, interpreted), not {dev.type}")
+
+
+def _compute_dtype(k: ModuleType, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kernels' dot products for a query in ``dtype``."""
+    # dot products in the query's 16-bit dtype (the reference dequantizes into it too),
+    # float32 (IEEE) for a float32/float64 query; accumulation is float32 either way
+    compute = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+    if k.INTERPRET and compute == torch.bfloat16:  # the interpreter's bfloat16 dot is wrong
+        compute = torch.float32
+    return compute
+
+
+def _split_mask(
+    mask: torch.Tensor | None, s_tok: int, nq: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask`` ``(batch, T)`` as int8 ``(batch, nq)`` for the quantized tokens and ``(batch,
+    T - nq)`` for the sinks and window; two 1-element placeholders without a mask."""
+    if mask is not None:
+        mq = mask[:, s_tok : s_tok + nq].to(torch.int8).contiguous()
+        mf = torch.cat([mask[:, :s_tok], mask[:, s_tok + nq :]], dim=1).to(torch.int8).contiguous()
+    else:
+        mq = mf = torch.empty(1, dtype=torch.int8, device=dev)
+    return mq, mf
+
+
+def _launch_quantized(
+    k: ModuleType,
+    q: torch.Tensor,
+    kv: PackedKV,
+    mq: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    qk_scale: float,
+    splits: int,
+    block_tokens: int,
+    compute: torch.dtype,
+    meta: dict[str, Any],
+) -> None:
+    """Run the quantized tokens through ``quant_split_kernel``, one program per (row, KV head,
+    split), into slots ``0..splits-1`` of ``state`` = (acc ``(batch, q_heads, slots, head_dim)``,
+    running max and sum ``(batch, q_heads, slots)``). ``q``: ``(batch, q_heads, head_dim)``."""
+    acc, m_run, l_run = state
+    dev = q.device
+    b, h, slots = q.shape[0], kv.kv_heads, acc.shape[2]
+    nq = kv.num_quantized
+    kb, vb = kv.key_blocks, kv.value_blocks
+    r = kb.shape[3]
+    qr = q
+    if kv.rotation is not None:  # rotate the query, not the keys
+        qr = (q.float() @ kv.rotation.to(device=dev, dtype=torch.float32)).to(compute)
+    per_split = -(-nq // splits)
+    per_split = -(-per_split // block_tokens) * block_tokens
+    k.quant_split_kernel[(b * h, splits)](
+        qr.contiguous(),
+        kb.packed.contiguous(),
+        kb.scale.contiguous(),
+        kb.offset.contiguous(),
+        vb.packed.contiguous(),
+        vb.scale.contiguous(),
+        vb.offset.contiguous(),
+        mq,
+        acc,
+        m_run,
+        l_run,
+        qk_scale,
+        nq,
+        per_split,
+        b,
+        h,
+        slots,
+        BLOCK_N=block_tokens,
+        R=r,
+        KG=kb.group_size,
+        VG=vb.group_size,
+        KBITS=kb.bits,
+        VBITS=vb.bits,
+        **meta,
+    )
+
+
+def _triton_decode(
+    query: torch.Tensor,
+    kv: PackedKV,
+    scale: float,
+    mask: torch.Tensor | None,
+    num_splits: int | None,
+    block_tokens: int,
+) -> torch.Tensor:
+    """The fused path: ``query`` ``(batch, q_heads, 1, head_dim)`` over ``kv``, checked by
+    :func:`decode_attention`; returns ``(batch, q_heads, 1, head_dim)`` in the query's dtype."""
+    k = _kernels()
+    dev = query.device
+    _check_device(k, dev)
     b, hq, _, d = query.shape
     h = kv.kv_heads
     gqa = hq // h
-    # dot products in the query's 16-bit dtype (the reference dequantizes into it too),
-    # float32 (IEEE) for a float32/float64 query; accumulation is float32 either way
-    compute = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    if k.INTERPRET and compute == torch.bfloat16:  # the interpreter's bfloat16 dot is wrong
-        compute = torch.float32
+    compute = _compute_dtype(k, query.dtype)
     f32_dot = compute == torch.float32
     q = query[:, :, 0, :].to(compute)
     s_tok = kv.sink_keys.shape[2]
@@ -385,50 +335,19 @@ def _triton_decode(
     l_run = torch.empty((b, hq, slots), dtype=torch.float32, device=dev)
     qk_scale = scale * math.log2(math.e)
     block_g, block_d = _pow2(gqa), _pow2(d)
-    if mask is not None:
-        mq = mask[:, s_tok : s_tok + nq].to(torch.int8).contiguous()
-        mf = torch.cat([mask[:, :s_tok], mask[:, s_tok + nq :]], dim=1).to(torch.int8).contiguous()
-    else:
-        mq = mf = torch.empty(1, dtype=torch.int8, device=dev)
+    mq, mf = _split_mask(mask, s_tok, nq, dev)
+    # compile-time constants both split kernels share
+    meta: dict[str, Any] = {
+        "GQA": gqa,
+        "BLOCK_G": block_g,
+        "D": d,
+        "BLOCK_D": block_d,
+        "HAS_MASK": mask is not None,
+        "F32_DOT": f32_dot,
+    }
     if nq:
-        kb, vb = kv.key_blocks, kv.value_blocks
-        r = kb.shape[3]
-        qr = q
-        if kv.rotation is not None:  # rotate the query, not the keys
-            qr = (q.float() @ kv.rotation.to(device=dev, dtype=torch.float32)).to(compute)
-        per_split = -(-nq // splits)
-        per_split = -(-per_split // block_tokens) * block_tokens
-        k.quant_split_kernel[(b * h, splits)](
-            qr.contiguous(),
-            kb.packed.contiguous(),
-            kb.scale.contiguous(),
-            kb.offset.contiguous(),
-            vb.packed.contiguous(),
-            vb.scale.contiguous(),
-            vb.offset.contiguous(),
-            mq,
-            acc,
-            m_run,
-            l_run,
-            qk_scale,
-            nq,
-            per_split,
-            b,
-            h,
-            slots,
-            GQA=gqa,
-            BLOCK_G=block_g,
-            D=d,
-            BLOCK_D=block_d,
-            BLOCK_N=block_tokens,
-            R=r,
-            KG=kb.group_size,
-            VG=vb.group_size,
-            KBITS=kb.bits,
-            VBITS=vb.bits,
-            HAS_MASK=mask is not None,
-            F32_DOT=f32_dot,
-        )
+        state = (acc, m_run, l_run)
+        _launch_quantized(k, q, kv, mq, state, qk_scale, splits, block_tokens, compute, meta)
     k.full_split_kernel[(b * h,)](
         q.contiguous(),
         fk,
@@ -441,13 +360,8 @@ def _triton_decode(
         m_tok,
         h,
         slots,
-        GQA=gqa,
-        BLOCK_G=block_g,
-        D=d,
-        BLOCK_D=block_d,
         BLOCK_N=min(block_tokens, _pow2(m_tok)),
-        HAS_MASK=mask is not None,
-        F32_DOT=f32_dot,
+        **meta,
     )
     out = torch.empty((b, hq, 1, d), dtype=query.dtype, device=dev)
     k.merge_kernel[(b * hq,)](

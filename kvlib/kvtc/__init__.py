@@ -3,6 +3,7 @@
 =============  ============================================================
 module         what it holds
 =============  ============================================================
+``basis``      ``KVPCABasis``, the learned transform: features, saving and loading
 ``bitalloc``   bit allocation and uniform quantizers per component
 ``pca``        the PCA basis of the cache: calibration and fitting
 ``codec``      the codec and its byte format
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["bitalloc", "codec", "pca"]
+__all__ = ["basis", "bitalloc", "codec", "pca"]
 
 
 def __getattr__(name: str) -> ModuleType:

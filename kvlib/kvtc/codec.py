@@ -1,6 +1,6 @@
 """KV Cache Transform Coding: a DynamicCache to compact bytes and back (introduced in notebook 06).
 
-Given a :class:`kvlib.kvtc.pca.KVPCABasis` fitted for a model, :class:`KVTCCodec` projects each
+Given a :class:`kvlib.kvtc.basis.KVPCABasis` fitted for a model, :class:`KVTCCodec` projects each
 token's keys and values on the basis's components, quantizes every component with the bits a
 budget allocates to it (:func:`kvlib.kvtc.bitalloc.allocate_bits`; many get 0 bits: dropped), then
 entropy-codes the codes with a standard-library codec (``lzma`` by default). The first
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from kvlib import compat
+from kvlib.kvtc.basis import KVPCABasis
 from kvlib.kvtc.bitalloc import MAX_BITS, allocate_bits, uniform_dequantize, uniform_quantize
-from kvlib.kvtc.pca import KVPCABasis
 from kvlib.validate import check_int, check_number
 
 __all__ = ["KVTCCodec", "EncodedInfo", "MAGIC", "FORMAT_VERSION"]
@@ -77,6 +77,34 @@ class EncodedInfo:
     def compression_ratio(self) -> float:
         """fp16 bytes / encoded bytes (everything counted: header, window, codes, checksum)."""
         return self.fp16_bytes / self.nbytes
+
+
+@dataclass(frozen=True)
+class _Header:
+    """The sizes, dtypes and coders of an encoded cache, as :meth:`KVTCCodec.decode` reads them."""
+
+    batch: int
+    seq: int
+    num_layers: int
+    heads: int
+    head_dim: int
+    sink: int
+    recent: int
+    dtype: torch.dtype
+    wdtype: torch.dtype
+    coder: str
+    wcoder: str
+    raw: list[int]
+
+    @property
+    def mid(self) -> int:
+        """Compressed tokens, between the sinks and the recent tokens."""
+        return self.seq - self.sink - self.recent
+
+    @property
+    def win_tokens(self) -> int:
+        """Tokens kept uncompressed (sinks and recent)."""
+        return self.sink + self.recent
 
 
 def _compress(data: bytes, coder: str) -> bytes:
@@ -318,28 +346,13 @@ class KVTCCodec:
             nbytes=len(data), window_bytes=len(sections[0]), code_bytes=len(sections[2]),
         )  # fmt: skip
 
-    @torch.no_grad()
-    def decode(self, data: bytes, device: str | torch.device | None = None) -> Any:
-        """Rebuild a ``DynamicCache`` from :meth:`encode`'s bytes.
-
-        Args:
-            data: the encoded bytes.
-            device: where to put the tensors (default: where the basis lives).
-
-        Raises:
-            ValueError: wrong magic/version, bad checksum, truncated data, or bytes encoded with
-                a different basis or model shape.
-        """
-        h, sections = _unpack(data)
+    def _read_header(self, h: dict[str, Any]) -> _Header:
+        """The header's sizes and coders, checked against each other and against the basis."""
         b = self.basis
         try:
             batch, seq, nl = int(h["batch"]), int(h["seq_len"]), int(h["num_layers"])
-            heads, hd, sink, recent = (
-                int(h["kv_heads"]),
-                int(h["head_dim"]),
-                int(h["sink"]),
-                int(h["recent"]),
-            )
+            heads, hd = int(h["kv_heads"]), int(h["head_dim"])
+            sink, recent = int(h["sink"]), int(h["recent"])
             dtype, wdtype = _CACHE_DTYPES[h["dtype"]], _WINDOW_DTYPES[h["window_dtype"]]
             coder, wcoder = h["coder"], h["window_coder"]
             raw = [int(r) for r in h["raw"]]
@@ -357,81 +370,132 @@ class KVTCCodec:
             raise ValueError(f"encoded KV cache names an unknown coder {coder!r}")
         if min(batch, seq) < 1 or sink < 0 or recent < 0 or sink + recent > seq:
             raise ValueError("encoded KV cache header has inconsistent sizes")
-        mid = seq - sink - recent
-        win_tokens = sink + recent
-        wsize = torch.tensor([], dtype=wdtype).element_size()
-        expect_window = 2 * nl * batch * heads * win_tokens * hd * wsize
+        return _Header(batch, seq, nl, heads, hd, sink, recent, dtype, wdtype, coder, wcoder, raw)
+
+    def _read_sections(
+        self, hdr: _Header, sections: list[bytes]
+    ) -> tuple[bytes, list[torch.Tensor], bytes]:
+        """The decompressed window bytes, the bits per block (each ``(r,)``) and the code bytes,
+        their sizes checked against the header."""
+        b = self.basis
+        nl, batch, heads, hd, raw = hdr.num_layers, hdr.batch, hdr.heads, hdr.head_dim, hdr.raw
+        wsize = torch.tensor([], dtype=hdr.wdtype).element_size()
+        expect_window = 2 * nl * batch * heads * hdr.win_tokens * hd * wsize
         if raw[0] != expect_window or raw[1] != sum(v.numel() for v in b.variances):
             raise ValueError("encoded KV cache header sizes do not match its shapes")
-        window = _decompress(sections[0], wcoder, raw[0])
+        window = _decompress(sections[0], hdr.wcoder, raw[0])
         bits = torch.frombuffer(
-            bytearray(_decompress(sections[1], wcoder, raw[1])), dtype=torch.uint8
+            bytearray(_decompress(sections[1], hdr.wcoder, raw[1])), dtype=torch.uint8
         ).long()
         if (bits > MAX_BITS).any():
             raise ValueError("encoded KV cache holds invalid bit widths")
         blocks_bits = list(torch.split(bits, [v.numel() for v in b.variances]))
         n_active = int((bits > 0).sum())
-        expect_codes = n_active * batch * mid if mid > 0 else 0
+        expect_codes = n_active * batch * hdr.mid if hdr.mid > 0 else 0
         if raw[2] != expect_codes:
             raise ValueError("encoded KV cache code section size does not match its shapes")
-        codes_all = _decompress(sections[2], coder, raw[2])
-        dev = torch.device(device) if device is not None else b.components[0].device
+        codes_all = _decompress(sections[2], hdr.coder, raw[2])
+        return window, blocks_bits, codes_all
 
-        # window tensors, in the order written by encode: layer by layer, keys then values
-        wt = (
-            torch.frombuffer(bytearray(window), dtype=torch.uint8)
-            if window
-            else torch.zeros(0, dtype=torch.uint8)
-        )
-        per = batch * heads * win_tokens * hd
-        wins = wt.view(wdtype).reshape(2 * nl, per) if per else None
+    def _decode_middle(
+        self,
+        codes_all: bytes,
+        blocks_bits: list[torch.Tensor],
+        hdr: _Header,
+        dev: torch.device,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The compressed tokens rebuilt from their codes: per layer ``(keys, values)``,
+        ``(batch, kv_heads, mid, head_dim)`` in the cache's dtype, RoPE re-applied."""
+        b = self.basis
+        batch, sink, mid = hdr.batch, hdr.sink, hdr.mid
+        codes_t = torch.frombuffer(bytearray(codes_all), dtype=torch.uint8) if codes_all else None
+        feats, pos = [], 0
+        ntok = batch * mid
+        for mean, comps, var, bb in zip(
+            b.means, b.components, b.variances, blocks_bits, strict=True
+        ):
+            active = torch.nonzero(bb > 0).flatten()
+            base = mean.to(dev).float().expand(ntok, -1)
+            if active.numel():
+                assert codes_t is not None
+                n = active.numel() * ntok
+                codes = codes_t[pos : pos + n].reshape(active.numel(), ntok).T.to(dev).long()
+                pos += n
+                bbits = bb[active].to(dev)
+                if (codes >= (2**bbits)).any():
+                    raise ValueError(
+                        "encoded KV cache holds codes out of range for their bit widths"
+                    )
+                act = active.to(dev)
+                z = uniform_dequantize(codes, bbits, b.clip.to(dev)[bbits])
+                coef = z * var.to(dev)[act].clamp_min(1e-20).sqrt()
+                base = base + coef @ comps.to(dev)[:, act].T
+            feats.append(base)
+        positions = torch.arange(sink, sink + mid, device=dev)
+        return b.unfeatures(feats, batch, positions, hdr.dtype)
 
+    @torch.no_grad()
+    def decode(self, data: bytes, device: str | torch.device | None = None) -> Any:
+        """Rebuild a ``DynamicCache`` from :meth:`encode`'s bytes.
+
+        Args:
+            data: the encoded bytes.
+            device: where to put the tensors (default: where the basis lives).
+
+        Raises:
+            ValueError: wrong magic/version, bad checksum, truncated data, or bytes encoded with
+                a different basis or model shape.
+        """
+        h, sections = _unpack(data)
+        hdr = self._read_header(h)
+        window, blocks_bits, codes_all = self._read_sections(hdr, sections)
+        dev = torch.device(device) if device is not None else self.basis.components[0].device
+        wins = _window_rows(window, hdr)
         mid_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        if mid > 0:
-            codes_t = (
-                torch.frombuffer(bytearray(codes_all), dtype=torch.uint8) if codes_all else None
-            )
-            feats, pos = [], 0
-            ntok = batch * mid
-            for mean, comps, var, bb in zip(
-                b.means, b.components, b.variances, blocks_bits, strict=True
-            ):
-                active = torch.nonzero(bb > 0).flatten()
-                base = mean.to(dev).float().expand(ntok, -1)
-                if active.numel():
-                    assert codes_t is not None
-                    n = active.numel() * ntok
-                    codes = codes_t[pos : pos + n].reshape(active.numel(), ntok).T.to(dev).long()
-                    pos += n
-                    bbits = bb[active].to(dev)
-                    if (codes >= (2**bbits)).any():
-                        raise ValueError(
-                            "encoded KV cache holds codes out of range for their bit widths"
-                        )
-                    act = active.to(dev)
-                    z = uniform_dequantize(codes, bbits, b.clip.to(dev)[bbits])
-                    coef = z * var.to(dev)[act].clamp_min(1e-20).sqrt()
-                    base = base + coef @ comps.to(dev)[:, act].T
-                feats.append(base)
-            positions = torch.arange(sink, sink + mid, device=dev)
-            mid_layers = b.unfeatures(feats, batch, positions, dtype)
+        if hdr.mid > 0:
+            mid_layers = self._decode_middle(codes_all, blocks_bits, hdr, dev)
+        return compat.dynamic_cache_from(_join_layers(hdr, wins, mid_layers, dev))
 
-        data_layers = []
-        for layer in range(nl):
-            kv = []
-            for kind in (0, 1):
-                parts = []
-                w = (
-                    wins[2 * layer + kind].reshape(batch, heads, win_tokens, hd).to(dev, dtype)
-                    if wins is not None
-                    else None
-                )
-                if w is not None and sink:
-                    parts.append(w[:, :, :sink])
-                if mid_layers is not None:
-                    parts.append(mid_layers[layer][kind])
-                if w is not None and recent:
-                    parts.append(w[:, :, sink:])
-                kv.append(torch.cat(parts, dim=2).contiguous())
-            data_layers.append((kv[0], kv[1]))
-        return compat.dynamic_cache_from(data_layers)
+
+def _window_rows(window: bytes, hdr: _Header) -> torch.Tensor | None:
+    """The window tensors flat, ``(2 * num_layers, batch · kv_heads · window · head_dim)`` in the
+    order :meth:`KVTCCodec.encode` wrote them (layer by layer, keys then values); ``None`` when
+    the window is empty."""
+    wt = (
+        torch.frombuffer(bytearray(window), dtype=torch.uint8)
+        if window
+        else torch.zeros(0, dtype=torch.uint8)
+    )
+    per = hdr.batch * hdr.heads * hdr.win_tokens * hdr.head_dim
+    return wt.view(hdr.wdtype).reshape(2 * hdr.num_layers, per) if per else None
+
+
+def _join_layers(
+    hdr: _Header,
+    wins: torch.Tensor | None,
+    mid_layers: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    dev: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(keys, values)``, ``(batch, kv_heads, seq_len, head_dim)``: the sinks, the
+    decoded middle and the recent tokens joined in order."""
+    batch, heads, hd, dtype = hdr.batch, hdr.heads, hdr.head_dim, hdr.dtype
+    sink, recent, win_tokens = hdr.sink, hdr.recent, hdr.win_tokens
+    data_layers = []
+    for layer in range(hdr.num_layers):
+        kv = []
+        for kind in (0, 1):
+            parts = []
+            w = (
+                wins[2 * layer + kind].reshape(batch, heads, win_tokens, hd).to(dev, dtype)
+                if wins is not None
+                else None
+            )
+            if w is not None and sink:
+                parts.append(w[:, :, :sink])
+            if mid_layers is not None:
+                parts.append(mid_layers[layer][kind])
+            if w is not None and recent:
+                parts.append(w[:, :, sink:])
+            kv.append(torch.cat(parts, dim=2).contiguous())
+        data_layers.append((kv[0], kv[1]))
+    return data_layers

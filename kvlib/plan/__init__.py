@@ -9,9 +9,13 @@ module              what it holds
 ``engine_support``  which KV types vLLM and llama.cpp run where, read from sources
 ``engines``         the KV-cache types each engine runs (vLLM, llama.cpp, …)
 ``eviction``        whether token eviction would hold a request (offered, never chosen)
-``rule``            the decision rule, in numbers
+``budget``          one device's memory budget, and the sequences and tokens that fit it
+``rule``            the decision rule, in numbers: the level, the engine, the decision
 ``fallbacks``       what would fit a request that does not
-``text``            the reasons, watch-outs and summary
+``measured``        the measured cost of a KV setting or type, as a plan cites it
+``text``            the reasons and watch-outs
+``suggestions``     what would fit, in words, and whether token eviction would hold it
+``summary``         the plan in a few lines: what it buys, the other engines
 ``settings``        engine settings for transformers, vLLM and llama.cpp
 ``planner``         ``recommend()``: a deployable plan for a scenario
 ==================  ==============================================================
@@ -23,13 +27,17 @@ import importlib
 from types import ModuleType
 
 __all__ = [
+    "budget",
     "engine_support",
     "engines",
     "eviction",
     "fallbacks",
+    "measured",
     "planner",
     "rule",
     "settings",
+    "suggestions",
+    "summary",
     "text",
 ]
 

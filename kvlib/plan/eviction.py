@@ -6,7 +6,7 @@ per sequence. The planner never chooses eviction as a plan's setting: it keeps p
 while it loses facts far back (``benchmarks/bench_eviction.py``'s pass-key retrieval drops), so
 :func:`kvlib.plan.rule.decide` only records, as :attr:`Decision.eviction
 <kvlib.plan.rule.Decision.eviction>`, whether it *would* hold the request, and
-:mod:`kvlib.plan.text` says so next to the measured cost. Pure numbers, no prose.
+:mod:`kvlib.plan.suggestions` says so next to the measured cost. Pure numbers, no prose.
 
 The rule, :func:`eviction_option`: when a plan does not hold every requested sequence (status
 ``"reduced"`` or ``"impossible"``) although the weights leave a KV budget, the model's layers are

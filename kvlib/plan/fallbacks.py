@@ -1,9 +1,9 @@
 """What would fit a request the planner cannot fully serve (notebook 09).
 
 :func:`kvlib.plan.planner.recommend` calls :func:`fallbacks` for a plan whose status is ``"reduced"`` or
-``"impossible"``; :func:`kvlib.plan.text.suggestions` puts the answer into words. Each change —
-a shorter context, the next quality level, lower-bit weights, more GPUs, both, or more memory —
-is tried alone with :mod:`kvlib.plan.rule`'s own rule, keeping the rest of the request.
+``"impossible"``; :func:`kvlib.plan.suggestions.suggestions` puts the answer into words. Each
+change — a shorter context, the next quality level, lower-bit weights, more GPUs, both, or more
+memory — is tried alone with :mod:`kvlib.plan.rule`'s own rule, keeping the rest of the request.
 """
 
 from __future__ import annotations
@@ -13,18 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlib.memory import GIB
+from kvlib.plan.budget import HEADROOM_FRACTION, context_that_fits, kv_sequence_bytes, valid_tp
 from kvlib.plan.engines import LEVELS
 from kvlib.plan.rule import (
-    HEADROOM_FRACTION,
     QUALITIES,
+    QUALITY_LADDER,
     TP_CANDIDATES,
     WEIGHT_BITS,
     Decision,
-    context_that_fits,
     decide,
-    kv_sequence_bytes,
+    engine_candidates,
     kv_types,
-    valid_tp,
 )
 
 __all__ = ["Fallbacks", "Fit", "fallbacks", "lower_weight_bits_upgrade"]
@@ -63,7 +62,9 @@ class Fallbacks:
             on a GPU with memory.
         num_gpus_and_weight_bits: ``(num_gpus, weight_bits, fit)``: the fewest GPUs that fit
             with lower-bit weights; only tried when lower weight bits alone do not fit.
-        memory_gib: device memory (GiB) the whole request needs at the lowest allowed setting.
+        memory_gib: device memory (GiB) the whole request needs at the lowest setting the
+            quality allows, on the engine (of those the traffic calls for) that needs the least.
+        memory_fit: that engine, setting and type.
     """
 
     context_len: int
@@ -72,6 +73,7 @@ class Fallbacks:
     num_gpus: tuple[int, Fit] | None = None
     num_gpus_and_weight_bits: tuple[int, int, Fit] | None = None
     memory_gib: float = 0.0
+    memory_fit: Fit | None = None
 
 
 def _whole_request_on(
@@ -84,7 +86,10 @@ def _whole_request_on(
 ) -> Fit | None:
     """What the request of ``d`` gets with one or two of its values changed, if all of it then
     fits: the rule's own decision (:func:`kvlib.plan.rule.decide`) for the changed request, with
-    ``results`` and ``d``'s typical context; else None."""
+    ``results`` and ``d``'s typical context; else None (also where the engines the request
+    allows cannot serve the change: more GPUs for transformers)."""
+    if not engine_candidates(d.device, d.concurrency, tp or d.tensor_parallel_size, d.engines):
+        return None
     changed = decide(
         d.spec,
         d.gpu_memory_gb,
@@ -96,6 +101,7 @@ def _whole_request_on(
         device=d.device,
         results=results,
         typical_context=d.typical_context,
+        allowed=d.engines,
     )
     if changed.status != "ok" or changed.kv is None or changed.kv_type is None:
         return None
@@ -146,8 +152,7 @@ def fallbacks(d: Decision, results: Mapping[str, Any] | None = None) -> Fallback
                 by_both = (n, wb, fit)
                 break
     store = (d.types_by_setting.get(lowest) or kv_types(d.engine, d.spec, d.device)[lowest]).storage
-    per_seq = kv_sequence_bytes(d.spec, d.context_len, store, tp)
-    need = d.budget.weights_bytes + d.budget.overhead_bytes + per_seq * d.concurrency
+    need, memory_fit = _least_memory(d)
     shorter = context_that_fits(d.spec, d.budget.kv_budget_bytes, d.concurrency, store, tp)
     if d.spec.max_position_embeddings:  # memory may allow more than the model was trained on
         shorter = min(shorter, d.spec.max_position_embeddings)
@@ -158,4 +163,23 @@ def fallbacks(d: Decision, results: Mapping[str, Any] | None = None) -> Fallback
         num_gpus=by_gpus,
         num_gpus_and_weight_bits=by_both,
         memory_gib=need / (1 - HEADROOM_FRACTION[d.device]) / GIB,
+        memory_fit=memory_fit,
     )
+
+
+def _least_memory(d: Decision) -> tuple[int, Fit]:
+    """Bytes per device the whole request of ``d`` needs (weights, runtime, every sequence's
+    cache) at each candidate engine's lowest setting that ``d.quality`` allows, the least of
+    them, and that engine's :class:`Fit` (the earlier engine on a tie)."""
+    best: tuple[int, Fit] | None = None
+    tp = d.tensor_parallel_size
+    for engine in engine_candidates(d.device, d.concurrency, tp, d.engines):
+        types = kv_types(engine, d.spec, d.device)
+        level = [n for n in QUALITY_LADDER[d.quality] if n in types][-1]
+        t = d.types_by_setting[level] if engine == d.engine else types[level]
+        per_seq = kv_sequence_bytes(d.spec, d.context_len, t.storage, tp)
+        need = d.budget.weights_bytes + d.budget.overhead_bytes + per_seq * d.concurrency
+        if best is None or need < best[0]:
+            best = (need, Fit(engine, level, "fp16" if level == "fp16" else t.name))
+    assert best is not None  # the request's engines were checked to serve it
+    return best

@@ -6,12 +6,13 @@ returns a :class:`Plan`: the memory budget, the chosen KV-cache setting, the rea
 project's own measured quality cost from ``kvlib/results.json``), what the choice buys against
 fp16, what to watch, and the concrete settings for transformers, vLLM and llama.cpp.
 
-Three modules do the work, and this one checks the request and puts their answers together:
+Three parts do the work, and this one checks the request and puts their answers together:
 
 * :mod:`kvlib.plan.rule` decides, in numbers: the budget per device, the KV bytes per sequence,
   which setting fits, the engine, the status, and what would fit otherwise (the rules are in its
   docstring; the byte math is :mod:`kvlib.memory`'s);
-* :mod:`kvlib.plan.text` says why, what to watch and what would fit, citing results;
+* :mod:`kvlib.plan.text` says why and what to watch, citing results (:mod:`kvlib.plan.measured`);
+  :mod:`kvlib.plan.suggestions` what would fit; :mod:`kvlib.plan.summary` sums it up in a few lines;
 * :mod:`kvlib.plan.settings` spells the decision for transformers, vLLM and llama.cpp.
 
 **Units.** GPU memory is given in GiB (2³⁰ bytes), at what the card's driver reports (nvidia-smi,
@@ -29,15 +30,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvlib import results as kvresults
+from kvlib.plan import budget as plan_budget
 from kvlib.plan import fallbacks as plan_fallbacks
+from kvlib.plan import measured as plan_measured
 from kvlib.plan import rule as plan_rule
 from kvlib.plan import settings as plan_engines
+from kvlib.plan import suggestions as plan_suggestions
+from kvlib.plan import summary as plan_summary
 from kvlib.plan import text as plan_text
+from kvlib.plan.engines import ENGINES
 from kvlib.plan.rule import Decision
 from kvlib.specs import ModelSpec, get_spec, spec_from_config
 from kvlib.validate import check_bits, check_int, check_number
@@ -65,7 +71,7 @@ class Plan(Decision):
     @property
     def buys(self) -> str:
         """One line: what the chosen setting buys against fp16 (sequences, or context)."""
-        return plan_text.buys(self)
+        return plan_summary.buys(self)
 
     @property
     def _hint(self) -> str:
@@ -100,7 +106,7 @@ class Plan(Decision):
     # ---------------------------------------------------------------- presentation values
     def summary(self) -> str:
         """A few lines of plain text (the CLI prints it; library code never prints)."""
-        return plan_text.summary(self, self.reasons, self.watch, self.suggestions)
+        return plan_summary.summary(self, self.reasons, self.watch, self.suggestions)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict: every field, the budget, and the engine settings."""
@@ -156,6 +162,110 @@ def _resolve_spec(model: Any) -> ModelSpec:
     )
 
 
+def _check_sizes(
+    gpu_memory_gb: Any, context_len: Any, concurrency: Any, num_gpus: Any, weight_bits: Any
+) -> tuple[float, int, int, int, int]:
+    """The request's numbers, checked: ``(GiB, context_len, concurrency, num_gpus, weight_bits)``.
+
+    Raises:
+        TypeError: a value of the wrong kind.
+        ValueError: a negative memory, a count below 1 or unsupported weight bits.
+    """
+    gib = check_number(gpu_memory_gb, "gpu_memory_gb")
+    if gib < 0:
+        raise ValueError(f"gpu_memory_gb must be a number of GiB >= 0 (got {gpu_memory_gb})")
+    context_len = check_int(context_len, "context_len", minimum=1)
+    concurrency = check_int(concurrency, "concurrency", minimum=1)
+    num_gpus = check_int(num_gpus, "num_gpus", minimum=1)
+    weight_bits = check_bits(weight_bits, "weight_bits", allowed=plan_rule.WEIGHT_BITS)
+    return gib, context_len, concurrency, num_gpus, weight_bits
+
+
+def _check_choices(spec: ModelSpec, name: str, quality: str, device: str, num_gpus: int) -> None:
+    """The request's choices, checked: a known quality and device, and a GPU count that runs.
+
+    Raises:
+        ValueError: an unknown quality or device, several GPUs for a CPU plan, or a
+            tensor-parallel size that does not divide ``spec``'s attention heads.
+    """
+    if quality not in plan_rule.QUALITIES:
+        accepted = ", ".join(plan_rule.QUALITIES)
+        raise ValueError(f"quality must be one of {accepted} (got {quality!r})")
+    if device not in plan_rule.DEVICES:
+        raise ValueError(f"device must be one of {', '.join(plan_rule.DEVICES)} (got {device!r})")
+    if device == "cpu" and num_gpus != 1:
+        raise ValueError(
+            f"device='cpu' plans for one machine's RAM: num_gpus must be 1 (got {num_gpus})"
+        )
+    if not plan_budget.valid_tp(spec, num_gpus):
+        raise ValueError(
+            f"num_gpus={num_gpus} cannot split {name}'s {spec.num_heads} attention heads evenly "
+            f"(tensor parallelism needs a divisor of {spec.num_heads})"
+        )
+
+
+def _check_engines(
+    engines: Any, device: str, concurrency: int, num_gpus: int
+) -> tuple[str, ...] | None:
+    """``engines`` as a tuple of engine names (None stays None).
+
+    Raises:
+        TypeError: not a sequence of strings (a lone string is refused).
+        ValueError: an unknown engine, or none that the rule lets serve this request (a CPU
+            plan runs llama.cpp; several sequences or GPUs vLLM or llama.cpp).
+    """
+    if engines is None:
+        return None
+    if isinstance(engines, str) or not isinstance(engines, Sequence) or not engines:
+        raise TypeError(f"engines must be a non-empty list of engine names (got {engines!r})")
+    for e in engines:
+        if e not in ENGINES:
+            accepted = ", ".join(ENGINES)
+            raise ValueError(f"unknown engine {e!r}; accepted: {accepted}")
+    allowed = tuple(engines)
+    if not plan_rule.engine_candidates(device, concurrency, num_gpus, allowed):
+        serving = plan_rule.engine_candidates(device, concurrency, num_gpus)
+        raise ValueError(
+            f"engines={list(allowed)} cannot serve {concurrency} sequence(s) on {num_gpus} "
+            f"{device.upper()}(s): the plan runs {' or '.join(serving)} there "
+            "(plan.options gives every engine's count)"
+        )
+    return allowed
+
+
+def _check_typical_context(typical_context: Any, context_len: int) -> int | None:
+    """``typical_context`` checked against ``context_len`` (None stays None).
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: below 1 or above ``context_len``.
+    """
+    if typical_context is not None:
+        typical_context = check_int(typical_context, "typical_context", minimum=1)
+        if typical_context > context_len:
+            raise ValueError(
+                f"typical_context ({typical_context:,}) must be at most context_len "
+                f"({context_len:,}): it is the length most conversations reach"
+            )
+    return typical_context
+
+
+def _plan(d: Decision, cited: Mapping[str, Any]) -> Plan:
+    """The :class:`Plan` for decision ``d``: its numbers, and its words citing ``cited``."""
+    would_fit = (
+        plan_suggestions.suggestions(d, plan_fallbacks.fallbacks(d, cited), cited)
+        if not d.fits
+        else ()
+    )
+    return Plan(
+        **{f.name: getattr(d, f.name) for f in dataclasses.fields(Decision)},
+        reasons=plan_text.reasons(d, cited),
+        watch=plan_text.watch(d, cited),
+        suggestions=would_fit,
+        results=cited,
+    )
+
+
 def recommend(
     model: Any,
     gpu_memory_gb: float,
@@ -168,6 +278,7 @@ def recommend(
     device: str = "gpu",
     typical_context: int | None = None,
     results: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    engines: Sequence[str] | None = None,
 ) -> Plan:
     """Recommend a KV-cache configuration (rules: :mod:`kvlib.plan.rule`).
 
@@ -191,6 +302,9 @@ def recommend(
         results: measured results to cite: a dict in the :mod:`kvlib.results` layout, a
             path to such a file, or None for the default file (``$KVLIB_RESULTS``, else
             the package's); ``{}`` cites none.
+        engines: the engines the plan may choose, for a reader who runs only some of them
+            (``("llama.cpp",)``); None: every one. The plan still prices the others (its
+            ``also:`` lines and settings).
 
     Raises:
         TypeError: a value of the wrong kind (a float count, a string size, ...).
@@ -200,36 +314,14 @@ def recommend(
     """
     spec = _resolve_spec(model)
     name = model if isinstance(model, str) else (spec.name or "custom model")
-    gib = check_number(gpu_memory_gb, "gpu_memory_gb")
-    if gib < 0:
-        raise ValueError(f"gpu_memory_gb must be a number of GiB >= 0 (got {gpu_memory_gb})")
-    context_len = check_int(context_len, "context_len", minimum=1)
-    concurrency = check_int(concurrency, "concurrency", minimum=1)
-    num_gpus = check_int(num_gpus, "num_gpus", minimum=1)
-    weight_bits = check_bits(weight_bits, "weight_bits", allowed=plan_rule.WEIGHT_BITS)
-    if quality not in plan_rule.QUALITIES:
-        accepted = ", ".join(plan_rule.QUALITIES)
-        raise ValueError(f"quality must be one of {accepted} (got {quality!r})")
-    if device not in plan_rule.DEVICES:
-        raise ValueError(f"device must be one of {', '.join(plan_rule.DEVICES)} (got {device!r})")
-    if device == "cpu" and num_gpus != 1:
-        raise ValueError(
-            f"device='cpu' plans for one machine's RAM: num_gpus must be 1 (got {num_gpus})"
-        )
-    if not plan_rule.valid_tp(spec, num_gpus):
-        raise ValueError(
-            f"num_gpus={num_gpus} cannot split {name}'s {spec.num_heads} attention heads evenly "
-            f"(tensor parallelism needs a divisor of {spec.num_heads})"
-        )
-    if typical_context is not None:
-        typical_context = check_int(typical_context, "typical_context", minimum=1)
-        if typical_context > context_len:
-            raise ValueError(
-                f"typical_context ({typical_context:,}) must be at most context_len "
-                f"({context_len:,}): it is the length most conversations reach"
-            )
+    gib, context_len, concurrency, num_gpus, weight_bits = _check_sizes(
+        gpu_memory_gb, context_len, concurrency, num_gpus, weight_bits
+    )
+    _check_choices(spec, name, quality, device, num_gpus)
+    typical_context = _check_typical_context(typical_context, context_len)
+    allowed = _check_engines(engines, device, concurrency, num_gpus)
     # runs measured on several models are read from the one closest in build to this one
-    cited = kvresults.for_model(spec, plan_text.results_to_cite(results))
+    cited = kvresults.for_model(spec, plan_measured.results_to_cite(results))
 
     d = plan_rule.decide(
         spec,
@@ -243,14 +335,6 @@ def recommend(
         model=name,
         results=cited,
         typical_context=typical_context,
+        allowed=allowed,
     )
-    would_fit = (
-        plan_text.suggestions(d, plan_fallbacks.fallbacks(d, cited), cited) if not d.fits else ()
-    )
-    return Plan(
-        **{f.name: getattr(d, f.name) for f in dataclasses.fields(Decision)},
-        reasons=plan_text.reasons(d, cited),
-        watch=plan_text.watch(d, cited),
-        suggestions=would_fit,
-        results=cited,
-    )
+    return _plan(d, cited)

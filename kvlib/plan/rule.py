@@ -3,11 +3,12 @@
 Introduced in notebook 08. :func:`kvlib.plan.planner.recommend` validates a request, calls :func:`decide`
 here and has :mod:`kvlib.plan.text` put the decision into words and :mod:`kvlib.plan.settings`
 into engine settings. Nothing here writes prose; every function is a pure function of numbers.
-The byte math is :mod:`kvlib.memory`'s; this module only scales, shards and counts. The rules,
-in order:
+The byte math is :mod:`kvlib.memory`'s; :mod:`kvlib.plan.budget` only scales, shards and counts
+(rules 1 and 3). The rules, in order:
 
-1. **Budget per device** (per GPU under tensor parallelism), :func:`memory_budget`. Memory is
-   counted in GiB (2³⁰ bytes), the unit an "80 GB" GPU, nvidia-smi and vLLM mean::
+1. **Budget per device** (per GPU under tensor parallelism),
+   :func:`~kvlib.plan.budget.memory_budget`. Memory is counted in GiB (2³⁰ bytes), the unit an
+   "80 GB" GPU, nvidia-smi and vLLM mean::
 
        usable   = memory × (1 − headroom)          headroom: 10 % on a GPU (vLLM gets the
                                                     KV budget below as kv_cache_memory_bytes),
@@ -15,7 +16,7 @@ in order:
        weights  = checkpoint bytes / tensor_parallel_size   16-bit; or, for 8-/4-bit
                                                     weights, embedding and head at 16 bits and
                                                     the rest at 8 / 4.16 bits (FP8; AWQ/GPTQ
-                                                    int4, group 128), QUANTIZED_WEIGHT_BITS
+                                                    int4, group 128), budget.QUANTIZED_WEIGHT_BITS
        overhead = runtime + activations            runtime: 1 GiB per GPU (CUDA context, kernel
                                                     workspaces, allocator slack), 0.5 GiB on CPU;
                                                     activations: one 2048-token prefill chunk ×
@@ -26,16 +27,18 @@ in order:
    (:func:`engine_candidates`): several GPUs → vLLM (tensor parallelism), then llama.cpp (layer
    split); several sequences on
    one GPU → vLLM (paged blocks, continuous batching), then llama.cpp (``-np`` slots); one
-   sequence on one GPU → transformers with kvlib's cache, then vLLM, then llama.cpp; CPU →
-   llama.cpp. Each engine runs only its own KV types (:mod:`kvlib.plan.engines`): vLLM fp16 or fp8,
+   sequence on one GPU → vLLM, then llama.cpp, then transformers with kvlib's cache (a library
+   call, not a server: only where neither serving engine holds the sequence, which kvlib's int2
+   can); CPU → llama.cpp. A request may name the engines it runs (``allowed``), which keeps
+   their order. Each engine runs only its own KV types (:mod:`kvlib.plan.engines`): vLLM fp16 or fp8,
    llama.cpp f16, q8_0 or q4_0, transformers with kvlib's cache fp16 to int2 (full-attention
    models only). The plan takes the first engine whose types hold the whole request (rule 4 run
    for each), else the one that holds the most sequences.
 
-3. **KV per sequence** at the requested context, :func:`kv_sequence_bytes`: the cache one GPU
-   holds (:func:`gpu_share`: each of ``tp`` GPUs holds ``ceil(kv_heads / tp)`` of the KV heads,
-   at least one, so heads are replicated when tp > kv_heads; an MLA latent is replicated on every
-   GPU), sized by :func:`kvlib.memory.kv_cache_bytes` (sliding windows and MLA included) at the
+3. **KV per sequence** at the requested context, :func:`~kvlib.plan.budget.kv_sequence_bytes`:
+   the cache one GPU holds (:func:`~kvlib.plan.budget.gpu_share`: each of ``tp`` GPUs holds
+   ``ceil(kv_heads / tp)`` of the KV heads, at least one, so heads are replicated when
+   tp > kv_heads; an MLA latent is replicated on every GPU), sized by :func:`kvlib.memory.kv_cache_bytes` (sliding windows and MLA included) at the
    engine type's bits *and metadata*: vLLM's fp8 8 bits; llama.cpp's q8_0 / q4_0 8.5 / 4.5 (one
    fp16 scale per block of 32 values); kvlib's caches one fp16 scale and zero point per group.
 
@@ -63,71 +66,49 @@ a paged engine admits more sequences than this count; the count is what is *guar
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlib import memory
-from kvlib.memory import GIB
 from kvlib.plan import engines
+from kvlib.plan.budget import (
+    MemoryBudget,
+    context_that_fits,
+    engine_sequences,
+    kv_sequence_bytes,
+    memory_budget,
+    paged_sequences,
+)
 from kvlib.plan.engines import EngineKV
 from kvlib.plan.eviction import EvictionOption, eviction_option
 from kvlib.specs import ModelSpec
 
 __all__ = [
-    "ACTIVATION_VALUES_PER_HIDDEN",
     "DEVICES",
-    "HEADROOM_FRACTION",
     "IDLE_STORAGE",
     "IDLE_STORAGE_MIN_SESSIONS",
     "KV_SETTINGS",
-    "PREFILL_CHUNK_TOKENS",
-    "QUANTIZED_WEIGHT_BITS",
     "QUALITIES",
     "QUALITY_LADDER",
-    "RUNTIME_OVERHEAD_BYTES",
     "TP_CANDIDATES",
-    "VLLM_BLOCK_SIZE",
     "WEIGHT_BITS",
     "Decision",
     "EngineOption",
     "KVSetting",
-    "MemoryBudget",
-    "Storage",
     "choose_engine",
     "engine_candidates",
     "choose_setting",
-    "context_that_fits",
     "decide",
-    "gpu_share",
     "idle_storage",
-    "kv_sequence_bytes",
     "kv_types",
-    "memory_budget",
-    "paged_sequences",
-    "engine_sequences",
     "sequences_by_level",
     "types_by_level",
-    "sequences_that_fit",
-    "valid_tp",
 ]
 
 QUALITIES = ("max", "balanced", "aggressive")
 WEIGHT_BITS = (16, 8, 4)
 DEVICES = ("gpu", "cpu")
 
-#: Fraction of memory never planned for. (vLLM 0.32's default ``gpu_memory_utilization`` is
-#: 0.92; the plan hands vLLM its own KV budget, ``kv_cache_memory_bytes``, instead.)
-HEADROOM_FRACTION = {"gpu": 0.10, "cpu": 0.25}
-#: Fixed runtime allowance per device: CUDA context, kernel workspaces, allocator slack.
-RUNTIME_OVERHEAD_BYTES = {"gpu": 1 * GIB, "cpu": GIB // 2}
-#: Activations: one prefill chunk of this many tokens ...
-PREFILL_CHUNK_TOKENS = 2048
-#: ... times hidden size times this many live fp16 values per token (residual, norm, q/k/v,
-#: attention output, and the MLP's gate/up/activation at ~3.5× hidden — one layer at a time).
-ACTIVATION_VALUES_PER_HIDDEN = 16
 #: Conversations at or above this count get the idle-storage (PCA) recommendation.
 IDLE_STORAGE_MIN_SESSIONS = 8
 #: How each engine keeps an idle conversation's cache between turns. Only where kvlib holds the
@@ -136,8 +117,6 @@ IDLE_STORAGE_MIN_SESSIONS = 8
 #: finished turn's blocks until their memory is needed, llama-server keeps each slot's cache and
 #: reuses the longest matching prefix of the next request.
 IDLE_STORAGE = {"transformers": "pca", "vllm": "prefix-caching", "llama.cpp": "slot-reuse"}
-#: vLLM's default block size on CUDA (tokens per KV block).
-VLLM_BLOCK_SIZE = 16
 #: Candidate tensor-parallel sizes when a plan looks for "how many GPUs would fit".
 TP_CANDIDATES = (2, 4, 8)
 
@@ -170,10 +149,6 @@ QUALITY_LADDER: dict[str, tuple[str, ...]] = {
     "aggressive": ("fp16", "int8", "int4", "int2"),
 }
 
-#: How a cache is stored: ``(bits, group_size, group_meta_bits, window_bits)``, as
-#: :func:`kvlib.memory.kv_cache_bytes` takes them (:attr:`kvlib.plan.engines.EngineKV.storage`).
-Storage = tuple[int, int | None, int, int | None]
-
 
 def kv_types(engine: str, spec: ModelSpec, device: str = "gpu") -> dict[str, EngineKV]:
     """The KV type ``engine`` uses at each level it can run for ``spec`` on ``device``, highest
@@ -183,220 +158,6 @@ def kv_types(engine: str, spec: ModelSpec, device: str = "gpu") -> dict[str, Eng
     quantize only the global ones, and are priced so (:attr:`~kvlib.plan.engines.EngineKV.window_bits`)."""
     types = engines.planned(engine)
     return {level: t for level, t in types.items() if engines.runs_well(t, device, spec.head_dim)}
-
-
-# --------------------------------------------------------------------------------------------
-# 1. the budget
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """Where one device's memory goes (bytes, per GPU under tensor parallelism).
-
-    ``kv_budget_bytes`` may be negative: the weights and overhead alone do not fit.
-    """
-
-    device_bytes: int
-    headroom_bytes: int
-    weights_bytes: int
-    overhead_bytes: int
-    kv_budget_bytes: int
-    tensor_parallel_size: int = 1
-    device: str = "gpu"
-
-    @property
-    def usable_bytes(self) -> int:
-        return self.device_bytes - self.headroom_bytes
-
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) rows in the order they are subtracted, for tables."""
-        return [
-            ("device memory", self.device_bytes),
-            ("headroom", self.headroom_bytes),
-            ("weights", self.weights_bytes),
-            ("runtime + activations", self.overhead_bytes),
-            ("left for the KV cache", self.kv_budget_bytes),
-        ]
-
-
-#: Bits per weight of a pre-quantized checkpoint's linear layers, scales included: 8-bit is
-#: FP8 (vLLM ``--quantization fp8``; one scale per output channel, negligible) or GGUF Q8_0
-#: (8.5 bits: a 16-bit scale per 32 weights); 4-bit is int4 in groups of 128 with a 16-bit scale
-#: and a 4-bit zero point each (AWQ, GPTQ: 4 + 20/128), the most compact of the 4-bit formats
-#: the engines load (GGUF's Q4_K_M averages about 4.9 bits). The embedding and the output head
-#: stay at 16 bits in all of them.
-QUANTIZED_WEIGHT_BITS: dict[int, float] = {8: 8.0, 4: 4 + 20 / 128}
-
-
-def _weights_bytes(spec: ModelSpec, weight_bits: int) -> int:
-    """The checkpoint's bytes at ``weight_bits``: every parameter at 16 bits, or, for 8- and
-    4-bit weights, the embedding and output head (:attr:`ModelSpec.embedding_params`) at 16 bits
-    and the rest at :data:`QUANTIZED_WEIGHT_BITS`."""
-    if spec.num_params is None:
-        raise ValueError(
-            f"{spec.name or 'custom model'} has no parameter count: the weights' size is needed "
-            "to plan memory — pass spec_from_config(config, num_params=...) or a ModelSpec with "
-            "num_params"
-        )
-    if weight_bits >= 16:
-        return spec.weights_bytes(weight_bits)
-    embed = min(spec.embedding_params, spec.num_params)
-    body = spec.num_params - embed
-    return math.ceil(body * QUANTIZED_WEIGHT_BITS[weight_bits] / 8) + 2 * embed
-
-
-def memory_budget(
-    spec: ModelSpec, device: str, gpu_memory_gib: float, weight_bits: int, tp: int = 1
-) -> MemoryBudget:
-    """Rule 1: one device's memory (``gpu_memory_gib`` GiB) less headroom, this device's share of
-    the weights (``1 / tp`` of them) and runtime + activations; the rest is the KV budget.
-
-    Raises:
-        ValueError: ``spec`` has no ``num_params``.
-    """
-    device_bytes = int(gpu_memory_gib * GIB)
-    headroom = int(device_bytes * HEADROOM_FRACTION[device])
-    weights = math.ceil(_weights_bytes(spec, weight_bits) / tp)
-    hidden = int(spec.hidden_size or spec.num_heads * spec.head_dim)
-    activations = PREFILL_CHUNK_TOKENS * hidden * ACTIVATION_VALUES_PER_HIDDEN * 2
-    overhead = RUNTIME_OVERHEAD_BYTES[device] + activations
-    return MemoryBudget(
-        device_bytes=device_bytes,
-        headroom_bytes=headroom,
-        weights_bytes=weights,
-        overhead_bytes=overhead,
-        kv_budget_bytes=device_bytes - headroom - weights - overhead,
-        tensor_parallel_size=tp,
-        device=device,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# 2. the cache of one sequence, and what fits (kvlib.memory's byte math on one GPU's share)
-
-
-def valid_tp(spec: ModelSpec, tp: int) -> bool:
-    """Tensor parallelism splits the attention heads evenly: ``tp`` must divide them."""
-    return spec.num_heads % tp == 0
-
-
-def gpu_share(spec: ModelSpec, tp: int) -> ModelSpec:
-    """The part of the cache one of ``tp`` GPUs holds, as a spec of its own.
-
-    ``ceil(num_kv_heads / tp)`` KV heads (at least one: heads are replicated when
-    ``tp > num_kv_heads``); an MLA latent is not split (every GPU holds all of it). Only the
-    cache's shape changes; ``num_params`` is the whole model's.
-    """
-    if tp <= 1 or spec.is_mla:
-        return spec
-    kv_heads = -(-spec.num_kv_heads // tp)
-    return dataclasses.replace(
-        spec,
-        name=f"{spec.name} (1/{tp} of the KV heads)",
-        num_heads=kv_heads * (spec.num_heads // spec.num_kv_heads),
-        num_kv_heads=kv_heads,
-    )
-
-
-def kv_sequence_bytes(spec: ModelSpec, context_len: int, store: Storage, tp: int = 1) -> int:
-    """Rule 3: bytes one sequence of ``context_len`` tokens keeps on each GPU, stored as
-    ``store = (bits, group_size, group_meta_bits)``."""
-    bits, group, meta, window = store
-    return memory.kv_cache_bytes(
-        gpu_share(spec, tp),
-        context_len,
-        1,
-        bits,
-        group_size=group,
-        group_meta_bits=meta,
-        window_bits=window,
-    )
-
-
-def _as_memory(share: ModelSpec, kv_budget: int) -> int:
-    """Memory that leaves exactly ``kv_budget`` bytes for the cache next to 16-bit weights.
-
-    :func:`kvlib.memory.max_batch` / :func:`~kvlib.memory.max_context` size a cache next to the
-    weights; the plan's budget has its weights (this GPU's share) subtracted already, so they
-    are added back here and subtracted there.
-    """
-    return kv_budget + _weights_bytes(share, 16)
-
-
-def sequences_that_fit(
-    spec: ModelSpec, kv_budget: int, context_len: int, store: Storage, tp: int = 1
-) -> int:
-    """Sequences of ``context_len`` tokens whose caches fit ``kv_budget`` bytes on each GPU
-    (:func:`kvlib.memory.max_batch`); 0 when the budget is not positive."""
-    if kv_budget <= 0:
-        return 0
-    share = gpu_share(spec, tp)
-    bits, group, meta, window = store
-    return memory.max_batch(
-        share,
-        _as_memory(share, kv_budget),
-        context_len,
-        bits,
-        16,
-        group_size=group,
-        group_meta_bits=meta,
-        window_bits=window,
-    )
-
-
-def paged_sequences(
-    spec: ModelSpec,
-    kv_budget: int,
-    tokens: int,
-    store: Storage,
-    tp: int = 1,
-    block_size: int = VLLM_BLOCK_SIZE,
-) -> int:
-    """Sequences of ``tokens`` tokens a paged engine (vLLM) keeps at once in ``kv_budget`` bytes
-    on each GPU: the budget is cut into whole blocks of ``block_size`` tokens, one of which
-    (vLLM's null block) is never handed to a request, and each sequence holds
-    ``ceil(tokens / block_size)`` blocks (notebook 07). Nothing else is reserved, so shorter
-    conversations admit more sequences than the full-context count. (The block count is exact
-    for full-attention and MLA models, checked against vLLM's reported capacity by
-    ``benchmarks/bench_vllm.py``; sliding-window layers are priced at their window.)"""
-    if kv_budget <= 0:
-        return 0
-    null_block = kv_sequence_bytes(spec, block_size, store, tp)
-    blocks = -(-tokens // block_size)
-    return sequences_that_fit(spec, kv_budget - null_block, blocks * block_size, store, tp)
-
-
-def engine_sequences(
-    engine: str, spec: ModelSpec, kv_budget: int, tokens: int, store: Storage, tp: int = 1
-) -> int:
-    """Sequences of ``tokens`` tokens ``engine`` keeps at once: whole blocks less the null
-    block on vLLM (:func:`paged_sequences`), whole sequences on llama.cpp and transformers
-    (:func:`sequences_that_fit`)."""
-    if engine == "vllm":
-        return paged_sequences(spec, kv_budget, tokens, store, tp)
-    return sequences_that_fit(spec, kv_budget, tokens, store, tp)
-
-
-def context_that_fits(
-    spec: ModelSpec, kv_budget: int, concurrency: int, store: Storage, tp: int = 1
-) -> int:
-    """Longest context (tokens) at which ``concurrency`` sequences fit ``kv_budget`` bytes on
-    each GPU (:func:`kvlib.memory.max_context`): 0 when not one token fits,
-    :data:`kvlib.memory.UNBOUNDED` when every layer slides and the full windows fit."""
-    if kv_budget <= 0:
-        return 0
-    share = gpu_share(spec, tp)
-    bits, group, meta, window = store
-    return memory.max_context(
-        share,
-        _as_memory(share, kv_budget),
-        concurrency,
-        bits,
-        16,
-        group_size=group,
-        group_meta_bits=meta,
-        window_bits=window,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,19 +183,25 @@ def choose_setting(
     return None, "impossible"
 
 
-def engine_candidates(device: str, concurrency: int, tp: int) -> tuple[str, ...]:
+def engine_candidates(
+    device: str, concurrency: int, tp: int, allowed: Sequence[str] | None = None
+) -> tuple[str, ...]:
     """The engines that can serve a request, in the order the traffic prefers them: on a CPU
     llama.cpp; on several GPUs vLLM (tensor parallelism), then llama.cpp (which splits the
     layers over the GPUs, its default ``--split-mode layer``); several sequences on one GPU vLLM (paged
-    blocks, continuous batching), then llama.cpp (``-np`` slots); one sequence on one GPU
-    transformers (kvlib's cache in ``generate()``), then vLLM, then llama.cpp."""
+    blocks, continuous batching), then llama.cpp (``-np`` slots); one sequence on one GPU the
+    same two serving engines, then transformers (kvlib's cache in ``generate()``), whose caches go
+    down to int2 but which serves no one: it is chosen only where neither engine holds the
+    sequence (on an H200, kvlib-int4 in transformers decoded at 16.3 tokens/s against the bf16
+    cache's 28.8 and took 17.7 s to the first token against 1.4: notebook 10). ``allowed``: the
+    engines the request allows (None: all), in this order."""
     if device == "cpu":
-        return ("llama.cpp",)
-    if tp > 1:
-        return ("vllm", "llama.cpp")
-    if concurrency > 1:
-        return ("vllm", "llama.cpp")
-    return ("transformers", "vllm", "llama.cpp")
+        order: tuple[str, ...] = ("llama.cpp",)
+    elif tp > 1 or concurrency > 1:
+        order = ("vllm", "llama.cpp")
+    else:
+        order = ("vllm", "llama.cpp", "transformers")
+    return order if allowed is None else tuple(e for e in order if e in allowed)
 
 
 def choose_engine(
@@ -442,12 +209,15 @@ def choose_engine(
     concurrency: int,
     tp: int,
     options: Mapping[str, EngineOption] | None = None,
+    allowed: Sequence[str] | None = None,
 ) -> str:
     """Rule 2: the first of :func:`engine_candidates` whose KV types hold the whole request
     (:attr:`EngineOption.holds`: every sequence at the full context, or at the request's typical
     length on a paged engine); if none does, the one that fits the most sequences at the full
     context (the earlier on a tie). Without ``options``, the first candidate."""
-    candidates = engine_candidates(device, concurrency, tp)
+    candidates = engine_candidates(device, concurrency, tp, allowed)
+    if not candidates:
+        raise ValueError(f"none of the engines {list(allowed or ())} serves this request")
     if not options:
         return candidates[0]
     for engine in candidates:
@@ -478,7 +248,7 @@ def _available(device: str, tp: int) -> tuple[str, ...]:
     all three on one GPU.
 
     Across GPUs llama.cpp's layer split puts ``1/tp`` of the layers, with their whole cache, on
-    each GPU; the plan prices it as vLLM's head split (:func:`gpu_share`), which holds the same
+    each GPU; the plan prices it as vLLM's head split (:func:`~kvlib.plan.budget.gpu_share`), which holds the same
     bytes per GPU wherever ``tp`` divides the KV heads and the layers, and more (replicated
     heads) where ``tp`` exceeds the KV heads: conservative for llama.cpp."""
     if device == "cpu":
@@ -553,9 +323,9 @@ class EngineOption:
         effective_bits: bits per cached value of that type, metadata included.
         admitted: sequences of the request's typical length the engine keeps at once, at most
             the concurrency: a paged engine (vLLM) admits by the whole blocks a sequence holds
-            (:func:`paged_sequences`); llama.cpp and transformers reserve the full context for
-            each sequence and admit ``sequences``. Equal to ``sequences`` when the request gives
-            no typical length.
+            (:func:`~kvlib.plan.budget.paged_sequences`); llama.cpp and transformers reserve the
+            full context for each sequence and admit ``sequences``. Equal to ``sequences`` when
+            the request gives no typical length.
         holds: every requested sequence is kept at once: all at the full context (``"ok"``),
             or all at the typical length on a paged engine.
     """
@@ -622,9 +392,10 @@ class Decision:
     fits at the full context. ``options``: the same rule for every engine
     (:class:`EngineOption`), so each engine's settings carry their own counts.
     ``typical_context``: the length most conversations reach, when the request says it (a paged
-    engine admits sequences by what they hold, :func:`paged_sequences`). ``eviction``:
-    the token-eviction budget that would hold the whole request when it does not fit (rule 5),
-    else None — never the plan's setting.
+    engine admits sequences by what they hold, :func:`~kvlib.plan.budget.paged_sequences`).
+    ``eviction``: the token-eviction budget that would hold the whole request when it does not fit (rule 5),
+    else None — never the plan's setting. ``engines``: the engines the request allowed the plan to
+    choose (None: every one).
     """
 
     model: str
@@ -657,6 +428,7 @@ class Decision:
     )
     eviction: EvictionOption | None = field(default=None, repr=False, compare=False)
     typical_context: int | None = None
+    engines: tuple[str, ...] | None = None
 
     @property
     def fits(self) -> bool:
@@ -696,6 +468,7 @@ def decide(
     model: str | None = None,
     results: Mapping[str, Any] | None = None,
     typical_context: int | None = None,
+    allowed: Sequence[str] | None = None,
 ) -> Decision:
     """Rules 1–4 for a request that is already valid (:func:`kvlib.plan.planner.recommend` checks it).
 
@@ -704,7 +477,8 @@ def decide(
     among an engine's types at one level (:func:`types_by_level`; ``None``: none, so each level
     has its one default type — :func:`kvlib.plan.planner.recommend` passes the results it cites);
     ``typical_context`` (tokens, at most ``context_len``) sizes a paged engine's admission
-    (:func:`kvlib.plan.settings.vllm_max_num_seqs`), not the guarantee.
+    (:func:`kvlib.plan.settings.vllm_max_num_seqs`), not the guarantee; ``allowed`` the engines
+    the request allows to be chosen (None: every one; the others still get their options).
     """
     results = {} if results is None else results
     tp = num_gpus
@@ -714,7 +488,8 @@ def decide(
         for e in engines.ENGINES
         if e in _available(device, tp)
     }
-    engine = choose_engine(device, concurrency, tp, options)
+    allowed = None if allowed is None else tuple(allowed)
+    engine = choose_engine(device, concurrency, tp, options, allowed)
     chosen = types_by_level(spec, budget, context_len, concurrency, tp, engine, results)
     types = {level: t for level, (t, _) in chosen.items()}
     fits = {level: n for level, (_, n) in chosen.items()}
@@ -737,7 +512,7 @@ def decide(
         kv=kv,
         kv_type=types[kv].name if kv else None,
         engine=engine,
-        paging=engine == "vllm",
+        paging=engine == "vllm" and kv is not None,
         idle_storage=idle_storage(concurrency, kv, engine),
         tensor_parallel_size=tp,
         budget=budget,
@@ -752,4 +527,5 @@ def decide(
         types_by_setting=types,
         eviction=eviction_option(spec, kv_budget, fp16_bytes, concurrency, status, tp),
         typical_context=typical_context,
+        engines=allowed,
     )

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlib.plan import budget as plan_budget
 from kvlib.plan import engines
-from kvlib.plan import rule as plan_rule
 from kvlib.plan.rule import Decision, EngineOption
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
 VLLM_QUANTIZATION: dict[int, str] = {8: "fp8"}
 #: The GGUF weight type llama.cpp loads for the plan's weight bits (``-m``): Q8_0 is 8.5 bits
 #: per weight, Q4_K_M about 4.9 (the plan prices 4-bit weights at AWQ's 4.16, see
-#: :data:`kvlib.plan.rule.QUANTIZED_WEIGHT_BITS`).
+#: :data:`kvlib.plan.budget.QUANTIZED_WEIGHT_BITS`).
 GGUF_WEIGHTS: dict[int, str] = {16: "F16", 8: "Q8_0", 4: "Q4_K_M"}
 
 _SEE = "see plan.suggestions"
@@ -94,7 +94,7 @@ def vllm_max_num_seqs(d: Decision) -> int:
     if d.typical_context is None or o.kv_type is None:
         return d.concurrency
     t = engines.kv_type("vllm", o.kv_type)
-    admitted = plan_rule.paged_sequences(
+    admitted = plan_budget.paged_sequences(
         d.spec, d.budget.kv_budget_bytes, d.typical_context, t.storage, d.tensor_parallel_size
     )
     return max(1, min(d.concurrency, admitted))
@@ -108,8 +108,9 @@ def vllm_args(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
     * ``kv_cache_memory_bytes``: the plan's KV budget per GPU, so that vLLM's cache is the one
       the plan counted (vLLM then ignores ``gpu_memory_utilization``);
     * ``max_model_len``: the context; ``max_num_seqs``: :func:`vllm_max_num_seqs`;
-    * ``tensor_parallel_size`` when above 1; ``quantization="fp8"`` for 8-bit weights (vLLM
-      quantizes a 16-bit checkpoint as it loads it); 4-bit weights are an AWQ checkpoint
+    * ``tensor_parallel_size`` when above 1; ``quantization="fp8"`` for 8-bit weights of a 16-bit
+      checkpoint (vLLM quantizes it as it loads it; a checkpoint that ships FP8 weights,
+      :attr:`~kvlib.specs.ModelSpec.checkpoint_weight_bits`, needs no flag); 4-bit weights are an AWQ checkpoint
       (:func:`checkpoint`) whose own config says so (:data:`VLLM_QUANTIZATION`).
 
     Raises:
@@ -125,8 +126,8 @@ def vllm_args(d: Decision, *, hint: str = _SEE) -> dict[str, Any]:
     out["max_num_seqs"] = vllm_max_num_seqs(d)
     if d.tensor_parallel_size > 1:
         out["tensor_parallel_size"] = d.tensor_parallel_size
-    if d.weight_bits in VLLM_QUANTIZATION:
-        out["quantization"] = VLLM_QUANTIZATION[d.weight_bits]
+    if d.weight_bits in VLLM_QUANTIZATION and d.spec.checkpoint_weight_bits > d.weight_bits:
+        out["quantization"] = VLLM_QUANTIZATION[d.weight_bits]  # not for a checkpoint already FP8
     return out
 
 

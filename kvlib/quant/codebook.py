@@ -98,6 +98,55 @@ def _check_codebook_bits(bits: Any) -> int:
     return bits
 
 
+def _check_support(support: Any) -> tuple[float, float]:
+    """``(lo, hi)`` as floats, finite, ``lo < hi``."""
+    try:
+        lo, hi = (float(v) for v in support)
+    except (TypeError, ValueError):
+        raise ValueError(f"support must be a pair of numbers (got {support!r})") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"support must be finite with lo < hi (got {support!r})")
+    return lo, hi
+
+
+def _grid_moments(
+    density: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, lo: float, hi: float
+) -> torch.Tensor:
+    """``(3, grid)`` cumulative integrals of ``f``, ``x f`` and ``x² f`` at the grid points ``x``
+    ``(grid,)``, normalised by the integral of ``f`` (trapezoid rule, float64)."""
+    f = torch.as_tensor(density(x), dtype=torch.float64)
+    if f.shape != x.shape or not bool(torch.isfinite(f).all()) or bool((f < 0).any()):
+        raise ValueError("density must return one finite, non-negative value per point")
+    # cumulative integrals of f, x f and x^2 f at the grid points (trapezoid rule), read
+    # between grid points by linear interpolation, so that a cell's moments move smoothly with
+    # its boundaries (the iteration then converges instead of hopping between grid points)
+    dx = (hi - lo) / (_GRID - 1)
+
+    def cumulative(g: torch.Tensor) -> torch.Tensor:
+        return torch.cat([g.new_zeros(1), torch.cumsum((g[1:] + g[:-1]) * (dx / 2), 0)])
+
+    total = float(cumulative(f)[-1])
+    if total <= 0:
+        raise ValueError("density is zero everywhere on the support")
+    return torch.stack([cumulative(f * x**k) / total for k in range(3)])  # (3, grid)
+
+
+def _cell_sums(
+    moments: torch.Tensor, edges: torch.Tensor, lo: float, hi: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mass, first and second moment of each of the ``len(edges) + 1`` cells, each ``(n,)``,
+    from the ``(3, grid)`` cumulative ``moments`` on ``[lo, hi]``."""
+    dx = (hi - lo) / (_GRID - 1)
+    # the three cumulative moments at the edges (inside the support), (3, n - 1)
+    pos = ((edges - lo) / dx).clamp(0, _GRID - 1)
+    i = pos.floor().long().clamp(max=_GRID - 2)
+    frac = pos - i
+    at = moments[:, i] * (1 - frac) + moments[:, i + 1] * frac
+    c = torch.cat([moments[:, :1], at, moments[:, -1:]], dim=1)
+    d = c[:, 1:] - c[:, :-1]
+    return d[0], d[1], d[2]
+
+
 def lloyd_max(
     density: Callable[[torch.Tensor], torch.Tensor],
     bits: int,
@@ -127,42 +176,9 @@ def lloyd_max(
         RuntimeError: no convergence in ``max_iter`` iterations.
     """
     bits = _check_codebook_bits(bits)
-    try:
-        lo, hi = (float(v) for v in support)
-    except (TypeError, ValueError):
-        raise ValueError(f"support must be a pair of numbers (got {support!r})") from None
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-        raise ValueError(f"support must be finite with lo < hi (got {support!r})")
+    lo, hi = _check_support(support)
     x = torch.linspace(lo, hi, _GRID, dtype=torch.float64)
-    f = torch.as_tensor(density(x), dtype=torch.float64)
-    if f.shape != x.shape or not bool(torch.isfinite(f).all()) or bool((f < 0).any()):
-        raise ValueError("density must return one finite, non-negative value per point")
-    # cumulative integrals of f, x f and x^2 f at the grid points (trapezoid rule), read
-    # between grid points by linear interpolation, so that a cell's moments move smoothly with
-    # its boundaries (the iteration then converges instead of hopping between grid points)
-    dx = (hi - lo) / (_GRID - 1)
-
-    def cumulative(g: torch.Tensor) -> torch.Tensor:
-        return torch.cat([g.new_zeros(1), torch.cumsum((g[1:] + g[:-1]) * (dx / 2), 0)])
-
-    total = float(cumulative(f)[-1])
-    if total <= 0:
-        raise ValueError("density is zero everywhere on the support")
-    moments = torch.stack([cumulative(f * x**k) / total for k in range(3)])  # (3, grid)
-
-    def at(points: torch.Tensor) -> torch.Tensor:
-        """The three cumulative moments at ``points`` (inside the support): ``(3, n)``."""
-        pos = ((points - lo) / dx).clamp(0, _GRID - 1)
-        i = pos.floor().long().clamp(max=_GRID - 2)
-        frac = pos - i
-        return moments[:, i] * (1 - frac) + moments[:, i + 1] * frac
-
-    def cell_sums(edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mass, first and second moment of each of the ``len(edges) + 1`` cells."""
-        c = torch.cat([moments[:, :1], at(edges), moments[:, -1:]], dim=1)
-        d = c[:, 1:] - c[:, :-1]
-        return d[0], d[1], d[2]
-
+    moments = _grid_moments(density, x, lo, hi)
     n = 1 << bits
     q = (torch.arange(n, dtype=torch.float64) + 0.5) / n
     idx = torch.searchsorted(moments[0].contiguous(), q).clamp(max=_GRID - 1)
@@ -170,7 +186,7 @@ def lloyd_max(
 
     for _ in range(max_iter):
         edges = (levels[1:] + levels[:-1]) / 2
-        mass, m1, _m2 = cell_sums(edges)
+        mass, m1, _m2 = _cell_sums(moments, edges, lo, hi)
         new = torch.where(mass > 0, m1 / mass.clamp(min=1e-300), levels)
         moved = float((new - levels).abs().max())
         levels = new
@@ -179,7 +195,7 @@ def lloyd_max(
     else:
         raise RuntimeError(f"lloyd_max did not converge in {max_iter} iterations")
     edges = (levels[1:] + levels[:-1]) / 2
-    mass, m1, m2 = cell_sums(edges)
+    mass, m1, m2 = _cell_sums(moments, edges, lo, hi)
     mse = float((m2 - 2 * levels * m1 + levels * levels * mass).sum())
     return Codebook(bits, levels, edges, mse, name)
 

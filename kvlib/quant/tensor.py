@@ -342,6 +342,41 @@ def _round_down_fp16(v: torch.Tensor) -> torch.Tensor:
     return torch.where(high, torch.nextafter(h, torch.full_like(h, -math.inf)), h)
 
 
+def _check_group_size(group_size: object, axis: int, length: int) -> int:
+    """The group size along the reduced axis of ``length`` elements (``None``: the whole axis)."""
+    if group_size is None:
+        return length
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int or None (got {group_size!r})")
+    if group_size <= 0 or length % group_size:
+        divisors = [d for d in range(1, length + 1) if length % d == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+        raise ValueError(
+            f"group_size {group_size} does not divide axis {axis} of length {length} "
+            f"(accepted: {shown})"
+        )
+    return group_size
+
+
+def _group_min_max(
+    xg: torch.Tensor, red: int, work: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+    """Min and max of each group of ``xg`` over dim ``red``, flat ``(groups,)`` in ``work``, and
+    the keepdim shape they came in; raises on NaN, Inf or a range that overflows."""
+    # one pass for both statistics; NaN propagates into them and Inf shows, so checking the
+    # (small) statistics replaces a full isfinite pass over x
+    mn, mx = torch.aminmax(xg, dim=red, keepdim=True)
+    stat_shape = mn.shape
+    # statistics are handled flat: torch's CPU kernels are much slower on shapes with
+    # trailing size-1 dims
+    mn, mx = mn.reshape(-1).to(work), mx.reshape(-1).to(work)
+    if not bool(torch.isfinite((mx - mn).amax())):
+        if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
+            raise ValueError("x contains NaN or Inf; only finite values can be quantized")
+        raise ValueError("the range max - min of a group overflows; values too large to quantize")
+    return mn, mx, stat_shape
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -372,19 +407,7 @@ def quantize(
     x = _check_input(x)
     ax = _normalize_axis(axis, x.ndim)
     length = x.shape[ax]
-    if group_size is None:
-        gs = length
-    else:
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
-            raise TypeError(f"group_size must be an int or None (got {group_size!r})")
-        if group_size <= 0 or length % group_size:
-            divisors = [d for d in range(1, length + 1) if length % d == 0]
-            shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-            raise ValueError(
-                f"group_size {group_size} does not divide axis {axis} of length {length} "
-                f"(accepted: {shown})"
-            )
-        gs = group_size
+    gs = _check_group_size(group_size, axis, length)
     if scale_dtype not in (torch.float16, torch.float32):
         raise ValueError(f"scale_dtype must be torch.float16 or torch.float32 (got {scale_dtype})")
 
@@ -393,17 +416,7 @@ def quantize(
     grouped = shape[:ax] + (length // gs, gs) + shape[ax + 1 :]
     xg = x.reshape(grouped)
     red = ax + 1  # the within-group dimension of the grouped view
-    # one pass for both statistics; NaN propagates into them and Inf shows, so checking the
-    # (small) statistics replaces a full isfinite pass over x
-    mn, mx = torch.aminmax(xg, dim=red, keepdim=True)
-    stat_shape = mn.shape
-    # statistics are handled flat: torch's CPU kernels are much slower on shapes with
-    # trailing size-1 dims
-    mn, mx = mn.reshape(-1).to(work), mx.reshape(-1).to(work)
-    if not bool(torch.isfinite((mx - mn).amax())):
-        if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
-            raise ValueError("x contains NaN or Inf; only finite values can be quantized")
-        raise ValueError("the range max - min of a group overflows; values too large to quantize")
+    mn, mx, stat_shape = _group_min_max(xg, red, work)
     if symmetric:
         scale = _symmetric_scale(mn, mx, bits, work, scale_dtype)
         offset = None

@@ -11,6 +11,7 @@ module         what it holds
 ``tova``       TOVA: the last query's attention, every step
 ``knorm``      KNorm: the lowest key norms
 ``queries``    the attention queries a forward pass computes (the scores' input)
+``layer``      one layer's kept tokens, positions and scores; the policies by name
 ``cache``      :class:`~kvlib.caches.eviction.cache.EvictionCache`, float16 or int4
 =============  ==================================================================
 """
@@ -20,7 +21,18 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["cache", "h2o", "knorm", "policy", "queries", "scores", "snapkv", "streaming", "tova"]
+__all__ = [
+    "cache",
+    "h2o",
+    "knorm",
+    "layer",
+    "policy",
+    "queries",
+    "scores",
+    "snapkv",
+    "streaming",
+    "tova",
+]
 
 
 def __getattr__(name: str) -> ModuleType:
