@@ -122,7 +122,21 @@ def _gpu_key(name: str) -> str:
 def gpu_memory_gib(name: str) -> float:
     """Memory in GiB of a GPU in :data:`kvlib.memory.GPUS`, by name, as its driver reports it:
     ``"h100"`` → 79.65 (81,559 MiB), ``"t4"`` → 15.0."""
-    table = {_gpu_key(k): v for k, v in memory.GPUS.items()}
+    return memory.GPUS[gpu_name(name)] / GIB
+
+
+def gpu_compute_capability(name: str) -> tuple[int, int]:
+    """Compute capability of a GPU in :data:`kvlib.memory.GPUS`, by name: ``"t4"`` → (7, 5)."""
+    return memory.GPU_COMPUTE_CAPABILITY[gpu_name(name)]
+
+
+def gpu_name(name: str) -> str:
+    """The :data:`kvlib.memory.GPUS` name of a GPU named loosely (``"h100"`` → ``"H100 80GB"``).
+
+    Raises:
+        ValueError: no known GPU by that name (the message lists them).
+    """
+    table = {_gpu_key(k): k for k in memory.GPUS}
     key = _gpu_key(name)
     if key not in table:  # "A100" alone: the first entry that starts with it
         starts = [k for k in table if k.startswith(key)]
@@ -132,7 +146,7 @@ def gpu_memory_gib(name: str) -> float:
             raise ValueError(
                 f"unknown GPU {name!r} (known: {', '.join(memory.GPUS)}); or pass --gpu-memory GIB"
             )
-    return table[key] / GIB
+    return table[key]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -333,6 +347,7 @@ def _cmd_memory(args: argparse.Namespace) -> tuple[str, Any]:
 
 def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
     gib = args.gpu_memory if args.gpu_memory is not None else gpu_memory_gib(args.gpu)
+    cc = gpu_compute_capability(args.gpu) if args.gpu is not None else None
     p = plan.recommend(
         args.model,
         gib,
@@ -345,6 +360,7 @@ def _cmd_plan(args: argparse.Namespace) -> tuple[str, Any]:
         typical_context=args.typical_context,
         results=args.results,
         engines=args.engines,
+        compute_capability=cc,
     )
     lines = [p.summary()]
     if p.kv is not None:

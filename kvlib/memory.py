@@ -40,6 +40,7 @@ from kvlib.validate import PRICED_BITS, check_bits, check_int, check_number
 __all__ = [
     "GIB",
     "GPUS",
+    "GPU_COMPUTE_CAPABILITY",
     "GPU_NAMED_GIB",
     "MIB",
     "UNBOUNDED",
@@ -516,6 +517,20 @@ GPUS: dict[str, int] = {
     "A100 80GB": 81_920 * MIB,  # NVIDIA A100 80 GB HBM2e
     "H100 80GB": 81_559 * MIB,  # NVIDIA H100 SXM/PCIe, 80 GB HBM3
     "H200": 143_771 * MIB,  # NVIDIA H200, 141 GB HBM3e
+}
+
+#: The compute capability of each card of :data:`GPUS` (NVIDIA's CUDA GPUs list): it decides
+#: which KV types and weight formats an engine runs there (vLLM's fp8 needs 8.0, a T4 is 7.5).
+GPU_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "T4": (7, 5),
+    "L4": (8, 9),
+    "RTX 4090": (8, 9),
+    "A10G": (8, 6),
+    "L40S": (8, 9),
+    "A100 40GB": (8, 0),
+    "A100 80GB": (8, 0),
+    "H100 80GB": (9, 0),
+    "H200": (9, 0),
 }
 
 #: The memory each card of :data:`GPUS` is named and sold with, in GiB (``"T4": 16``).

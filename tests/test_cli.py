@@ -39,6 +39,9 @@ def test_gpu_names_and_gpu_memory_give_the_same_gib(capsys):
     for where in (["--gpu", "A100 80GB"], ["--gpu-memory", "80"], ["--gpu-memory", "80GB"]):
         assert main([*argv, *where]) == 0
         outs.append(json.loads(capsys.readouterr().out))
+    # a named GPU also gives its compute capability (an A100: 8.0, which runs every type here)
+    assert outs[0]["budget"].pop("compute_capability") == [8, 0]
+    assert [o["budget"].pop("compute_capability") for o in outs[1:]] == [None, None]
     assert outs[0] == outs[1] == outs[2]
     assert outs[0]["gpu_memory_gb"] == 80 and outs[0]["budget"]["device_bytes"] == 80 * 2**30
 
@@ -253,3 +256,25 @@ def test_plan_takes_the_engines_a_reader_runs(capsys):
     assert "engines transformers only" in out and "KV cache: kvlib-int8 on transformers" in out
     assert main(argv[:-2] + ["--engine", "tgi"]) == 2
     assert "invalid choice: 'tgi'" in capsys.readouterr().err
+
+
+def test_plan_on_a_named_gpu_knows_its_compute_capability(capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "qwen2.5-7b",
+                "--gpu",
+                "T4",
+                "--context",
+                "8k",
+                "--weight-bits",
+                "8",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "compute capability 7.5" in out.splitlines()[0] and "vllm serve" not in out
+    assert "llama-server -m Qwen2.5-7B-Q8_0.gguf" in out

@@ -15,7 +15,7 @@ from kvlib import results as results_mod
 from kvlib.caches import layout as cache_layout
 from kvlib.caches import registry as cache_registry
 from kvlib.plan import budget as plan_budget
-from kvlib.plan import engines
+from kvlib.plan import engine_support, engines
 from kvlib.plan import rule as plan_rule
 from kvlib.plan.planner import Plan, recommend
 from kvlib.results import RESULTS_ENV
@@ -674,3 +674,38 @@ def test_a_request_can_name_the_engines_it_runs():
         recommend("llama-3.1-8b", 24, 8192, concurrency=4, engines=["transformers"])
     with pytest.raises(ValueError, match="runs llama.cpp there"):
         recommend("llama-3.1-8b", 24, 8192, device="cpu", engines=["vllm"])
+
+
+def test_the_gpus_compute_capability_decides_what_vllm_runs():
+    """On a T4 (compute capability 7.5) vLLM has no fp8 KV backend and no fp8 weights: the plan
+    offers neither, and names what runs there instead; on an H100 (9.0) nothing changes."""
+    t4 = memory.GPU_COMPUTE_CAPABILITY["T4"]
+    assert t4 == (7, 5) and not engine_support.vllm_dtype("fp8").runs_on(t4)
+    assert engine_support.vllm_dtype("fp8").runs_on((9, 0)) and engine_support.vllm_dtype(
+        "auto"
+    ).runs_on(t4)
+    many = recommend("qwen2.5-7b", 15, 8192, 24, weight_bits=4, compute_capability=t4, results={})
+    assert many.options["vllm"].kv_type == "auto"  # no fp8 on a T4: vLLM stays at 16 bits
+    assert "kv_cache_dtype" not in many.to_vllm() and many.engine == "llama.cpp"
+    assert many.summary().splitlines()[0].endswith(", compute capability 7.5")
+    unknown = recommend("qwen2.5-7b", 15, 8192, 24, weight_bits=4, results={})
+    assert unknown.options["vllm"].kv_type == "fp8"  # not told the GPU: not checked
+    eight = recommend("qwen2.5-7b", 15, 8192, weight_bits=8, compute_capability=t4, results={})
+    assert "vllm" not in eight.options and eight.engine == "llama.cpp"
+    assert eight.commands()["llama.cpp"].split()[2].endswith("-Q8_0.gguf")
+    # the 16-bit request's suggestion names what runs there: 8-bit weights on llama.cpp
+    sixteen = recommend("qwen2.5-7b", 15, 8192, compute_capability=t4, results={})
+    assert "weight_bits=8: the whole request with fp16 on llama.cpp" in sixteen.suggestions
+    h100 = memory.GPU_COMPUTE_CAPABILITY["H100 80GB"]
+    same = recommend("llama-3.1-8b", 80, 32768, 16, compute_capability=h100, results={})
+    assert same.to_vllm() == recommend("llama-3.1-8b", 80, 32768, 16, results={}).to_vllm()
+    for bad, error in (
+        ("7.5", TypeError),
+        ((7,), TypeError),
+        ((7.0, 5), TypeError),
+        ((-1, 0), ValueError),
+    ):
+        with pytest.raises(error, match="compute_capability"):
+            recommend("qwen2.5-7b", 15, 8192, compute_capability=bad)
+    with pytest.raises(ValueError, match="device='cpu'"):
+        recommend("llama-3.2-1b", 16, 8192, device="cpu", compute_capability=(8, 0))

@@ -66,6 +66,8 @@ class MemoryBudget:
     """Where one device's memory goes (bytes, per GPU under tensor parallelism).
 
     ``kv_budget_bytes`` may be negative: the weights and overhead alone do not fit.
+    ``compute_capability``: the GPU's, where the request names it (``(7, 5)`` for a T4), which
+    decides the KV types and weights an engine runs there; None: not known.
     """
 
     device_bytes: int
@@ -75,6 +77,7 @@ class MemoryBudget:
     kv_budget_bytes: int
     tensor_parallel_size: int = 1
     device: str = "gpu"
+    compute_capability: tuple[int, int] | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -118,7 +121,12 @@ def _weights_bytes(spec: ModelSpec, weight_bits: int) -> int:
 
 
 def memory_budget(
-    spec: ModelSpec, device: str, gpu_memory_gib: float, weight_bits: int, tp: int = 1
+    spec: ModelSpec,
+    device: str,
+    gpu_memory_gib: float,
+    weight_bits: int,
+    tp: int = 1,
+    compute_capability: tuple[int, int] | None = None,
 ) -> MemoryBudget:
     """Rule 1: one device's memory (``gpu_memory_gib`` GiB) less headroom, this device's share of
     the weights (``1 / tp`` of them) and runtime + activations; the rest is the KV budget.
@@ -140,6 +148,7 @@ def memory_budget(
         kv_budget_bytes=device_bytes - headroom - weights - overhead,
         tensor_parallel_size=tp,
         device=device,
+        compute_capability=compute_capability,
     )
 
 

@@ -208,6 +208,10 @@ class VllmKVDtype:
         """Some CUDA backend runs it on models without MLA."""
         return bool(self.cuda)
 
+    def runs_on(self, cc: tuple[int, int]) -> bool:
+        """Some CUDA backend runs it on a GPU of compute capability ``cc`` (``(7, 5)``: a T4)."""
+        return any(r.admits(cc) for _, r in self.cuda)
+
     @property
     def min_compute_capability(self) -> tuple[int, int] | None:
         """The lowest compute capability any of its CUDA backends asks for; None when one of

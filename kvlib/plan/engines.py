@@ -301,7 +301,18 @@ def measured_cost(t: EngineKV, results: Mapping[str, Any] | None = None) -> floa
 GGML_CUDA_VEC_HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
 
 
-def runs_well(t: EngineKV, device: str = "gpu", head_dim: int | None = None) -> bool:
+#: The lowest compute capability at which vLLM runs 8-bit weights (``--quantization fp8``):
+#: W8A8 from 8.9 (Ada, Hopper), weight-only through its Marlin kernels on 8.0-8.6 (Ampere), and
+#: not at all below (a T4 is 7.5): vLLM's ``fp8`` quantization method's ``get_min_capability``.
+VLLM_FP8_WEIGHTS_MIN_CC = (8, 0)
+
+
+def runs_well(
+    t: EngineKV,
+    device: str = "gpu",
+    head_dim: int | None = None,
+    cc: tuple[int, int] | None = None,
+) -> bool:
     """Whether ``t`` runs at full speed on ``device`` in the engine's default build
     (:mod:`kvlib.plan.engine_support`, read from the engines' sources): on a GPU, llama.cpp's
     flash-attention kernels of its default CUDA build (``f16``, ``bf16``, ``q8_0`` and ``q4_0``,
@@ -309,13 +320,15 @@ def runs_well(t: EngineKV, device: str = "gpu", head_dim: int | None = None) -> 
     ``GGML_CUDA_FA_QUANTS``, and ``iq4_nl`` runs attention on the CPU) and vLLM's CUDA
     backends; on a CPU, every llama.cpp type. transformers runs kvlib's caches anywhere.
     ``head_dim``: the model's head size, where known: llama.cpp's CUDA decode reads quantized
-    K/V natively only at :data:`GGML_CUDA_VEC_HEAD_SIZES`."""
+    K/V natively only at :data:`GGML_CUDA_VEC_HEAD_SIZES`. ``cc``: the GPU's compute capability,
+    where known: a vLLM type needs a CUDA backend that runs it there (fp8 needs 8.0)."""
     if t.engine == "llama.cpp" and device == "gpu":
         if t.bits < 16 and head_dim is not None and head_dim not in GGML_CUDA_VEC_HEAD_SIZES:
             return False
         return engine_support.llama_cpp_cuda_path(*t.cache_types) == "native"
     if t.engine == "vllm" and device == "gpu":
-        return engine_support.vllm_dtype(t.name).runs_on_cuda
+        dtype = engine_support.vllm_dtype(t.name)
+        return dtype.runs_on_cuda and (cc is None or dtype.runs_on(cc))
     return True
 
 
@@ -325,6 +338,7 @@ def candidates(
     results: Mapping[str, Any] | None = None,
     device: str = "gpu",
     head_dim: int | None = None,
+    cc: tuple[int, int] | None = None,
 ) -> list[EngineKV]:
     """The types the planner may use for ``engine`` at ``level`` on ``device``, preferred first.
 
@@ -335,7 +349,7 @@ def candidates(
     does not run well on ``device`` (for a model of ``head_dim``) gives ``[]``.
     """
     base = planned(engine).get(level)
-    if base is None or not runs_well(base, device, head_dim):
+    if base is None or not runs_well(base, device, head_dim, cc):
         return []
     if engine != "llama.cpp" or level != "int4":
         return [base]
@@ -344,7 +358,7 @@ def candidates(
     pool = [
         t
         for t in KV_TYPES
-        if t.engine == "llama.cpp" and t.name in measured and runs_well(t, device, head_dim)
+        if t.engine == "llama.cpp" and t.name in measured and runs_well(t, device, head_dim, cc)
         and base.effective_bits <= t.effective_bits < top
     ]  # fmt: skip
     if base not in pool:  # the level's smallest type stays offered, measured or not

@@ -90,7 +90,25 @@ def _whole_request_on(
     allows cannot serve the change: more GPUs for transformers)."""
     if not engine_candidates(d.device, d.concurrency, tp or d.tensor_parallel_size, d.engines):
         return None
-    changed = decide(
+    try:
+        changed = _decide_changed(d, results, quality, weight_bits, tp)
+    except ValueError:  # the allowed engines cannot run the changed weights on this GPU
+        return None
+    if changed.status != "ok" or changed.kv is None or changed.kv_type is None:
+        return None
+    kv_type = "fp16" if changed.kv == "fp16" else changed.kv_type
+    return Fit(changed.engine, changed.kv, kv_type)
+
+
+def _decide_changed(
+    d: Decision,
+    results: Mapping[str, Any] | None,
+    quality: str | None,
+    weight_bits: int | None,
+    tp: int | None,
+) -> Decision:
+    """The rule's decision for the request of ``d`` with the given values changed."""
+    return decide(
         d.spec,
         d.gpu_memory_gb,
         d.context_len,
@@ -102,11 +120,8 @@ def _whole_request_on(
         results=results,
         typical_context=d.typical_context,
         allowed=d.engines,
+        compute_capability=d.budget.compute_capability,
     )
-    if changed.status != "ok" or changed.kv is None or changed.kv_type is None:
-        return None
-    kv_type = "fp16" if changed.kv == "fp16" else changed.kv_type
-    return Fit(changed.engine, changed.kv, kv_type)
 
 
 def lower_weight_bits_upgrade(d: Decision) -> tuple[int, str, str] | None:
@@ -151,7 +166,10 @@ def fallbacks(d: Decision, results: Mapping[str, Any] | None = None) -> Fallback
             if fit := _whole_request_on(d, results, tp=n, weight_bits=wb):
                 by_both = (n, wb, fit)
                 break
-    store = (d.types_by_setting.get(lowest) or kv_types(d.engine, d.spec, d.device)[lowest]).storage
+    store = (
+        d.types_by_setting.get(lowest)
+        or kv_types(d.engine, d.spec, d.device, d.budget.compute_capability)[lowest]
+    ).storage
     need, memory_fit = _least_memory(d)
     shorter = context_that_fits(d.spec, d.budget.kv_budget_bytes, d.concurrency, store, tp)
     if d.spec.max_position_embeddings:  # memory may allow more than the model was trained on
@@ -174,7 +192,9 @@ def _least_memory(d: Decision) -> tuple[int, Fit]:
     best: tuple[int, Fit] | None = None
     tp = d.tensor_parallel_size
     for engine in engine_candidates(d.device, d.concurrency, tp, d.engines):
-        types = kv_types(engine, d.spec, d.device)
+        if engine not in d.options:  # it cannot run the request's weights on this GPU
+            continue
+        types = kv_types(engine, d.spec, d.device, d.budget.compute_capability)
         level = [n for n in QUALITY_LADDER[d.quality] if n in types][-1]
         t = d.types_by_setting[level] if engine == d.engine else types[level]
         per_seq = kv_sequence_bytes(d.spec, d.context_len, t.storage, tp)

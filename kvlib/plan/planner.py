@@ -204,6 +204,29 @@ def _check_choices(spec: ModelSpec, name: str, quality: str, device: str, num_gp
         )
 
 
+def _check_compute_capability(cc: Any, device: str) -> tuple[int, int] | None:
+    """``cc`` as ``(major, minor)`` (None stays None).
+
+    Raises:
+        TypeError: not a pair of ints.
+        ValueError: a negative part, or a compute capability for a CPU plan.
+    """
+    if cc is None:
+        return None
+    if (
+        isinstance(cc, str)
+        or not isinstance(cc, Sequence)
+        or len(cc) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in cc)
+    ):
+        raise TypeError(f"compute_capability must be a (major, minor) pair of ints (got {cc!r})")
+    if min(cc) < 0:
+        raise ValueError(f"compute_capability must not be negative (got {cc!r})")
+    if device != "gpu":
+        raise ValueError("compute_capability is a GPU's: leave it out with device='cpu'")
+    return (cc[0], cc[1])
+
+
 def _check_engines(
     engines: Any, device: str, concurrency: int, num_gpus: int
 ) -> tuple[str, ...] | None:
@@ -279,6 +302,7 @@ def recommend(
     typical_context: int | None = None,
     results: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     engines: Sequence[str] | None = None,
+    compute_capability: tuple[int, int] | None = None,
 ) -> Plan:
     """Recommend a KV-cache configuration (rules: :mod:`kvlib.plan.rule`).
 
@@ -305,6 +329,9 @@ def recommend(
         engines: the engines the plan may choose, for a reader who runs only some of them
             (``("llama.cpp",)``); None: every one. The plan still prices the others (its
             ``also:`` lines and settings).
+        compute_capability: the GPU's (``(7, 5)`` for a T4; :data:`kvlib.memory.GPU_COMPUTE_CAPABILITY`),
+            where known: vLLM then offers only the KV types a CUDA backend of its runs there
+            (fp8 needs 8.0) and no 8-bit weights below 8.0. None: not checked.
 
     Raises:
         TypeError: a value of the wrong kind (a float count, a string size, ...).
@@ -320,6 +347,7 @@ def recommend(
     _check_choices(spec, name, quality, device, num_gpus)
     typical_context = _check_typical_context(typical_context, context_len)
     allowed = _check_engines(engines, device, concurrency, num_gpus)
+    cc = _check_compute_capability(compute_capability, device)
     # runs measured on several models are read from the one closest in build to this one
     cited = kvresults.for_model(spec, plan_measured.results_to_cite(results))
 
@@ -336,5 +364,6 @@ def recommend(
         results=cited,
         typical_context=typical_context,
         allowed=allowed,
+        compute_capability=cc,
     )
     return _plan(d, cited)

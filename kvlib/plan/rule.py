@@ -150,14 +150,18 @@ QUALITY_LADDER: dict[str, tuple[str, ...]] = {
 }
 
 
-def kv_types(engine: str, spec: ModelSpec, device: str = "gpu") -> dict[str, EngineKV]:
+def kv_types(
+    engine: str, spec: ModelSpec, device: str = "gpu", cc: tuple[int, int] | None = None
+) -> dict[str, EngineKV]:
     """The KV type ``engine`` uses at each level it can run for ``spec`` on ``device``, highest
     first (:func:`kvlib.plan.engines.planned`, less what its default build does not run well there,
     :func:`kvlib.plan.engines.runs_well`: on a GPU llama.cpp's quantized types need a head size its
     CUDA decode kernel reads natively). kvlib's caches keep sliding-window layers in fp16 and
     quantize only the global ones, and are priced so (:attr:`~kvlib.plan.engines.EngineKV.window_bits`)."""
     types = engines.planned(engine)
-    return {level: t for level, t in types.items() if engines.runs_well(t, device, spec.head_dim)}
+    return {
+        level: t for level, t in types.items() if engines.runs_well(t, device, spec.head_dim, cc)
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,8 +220,12 @@ def choose_engine(
     length on a paged engine); if none does, the one that fits the most sequences at the full
     context (the earlier on a tie). Without ``options``, the first candidate."""
     candidates = engine_candidates(device, concurrency, tp, allowed)
+    if options:  # an engine that cannot run the request's weights on this GPU has no option
+        candidates = tuple(e for e in candidates if e in options)
     if not candidates:
-        raise ValueError(f"none of the engines {list(allowed or ())} serves this request")
+        raise ValueError(
+            f"none of the engines {list(allowed or engines.ENGINES)} serves this request here"
+        )
     if not options:
         return candidates[0]
     for engine in candidates:
@@ -243,9 +251,12 @@ def idle_storage(concurrency: int, kv: str | None, engine: str) -> str | None:
 # the decision
 
 
-def _available(device: str, tp: int) -> tuple[str, ...]:
+def _available(
+    device: str, tp: int, weight_bits: int = 16, cc: tuple[int, int] | None = None
+) -> tuple[str, ...]:
     """Engines a plan gives settings for: llama.cpp on a CPU, vLLM and llama.cpp across GPUs,
-    all three on one GPU.
+    all three on one GPU; not vLLM for 8-bit weights on a GPU below
+    :data:`~kvlib.plan.engines.VLLM_FP8_WEIGHTS_MIN_CC` (it has no fp8 kernels there).
 
     Across GPUs llama.cpp's layer split puts ``1/tp`` of the layers, with their whole cache, on
     each GPU; the plan prices it as vLLM's head split (:func:`~kvlib.plan.budget.gpu_share`), which holds the same
@@ -253,7 +264,10 @@ def _available(device: str, tp: int) -> tuple[str, ...]:
     heads) where ``tp`` exceeds the KV heads: conservative for llama.cpp."""
     if device == "cpu":
         return ("llama.cpp",)
-    return ("vllm", "llama.cpp") if tp > 1 else engines.ENGINES
+    out = ("vllm", "llama.cpp") if tp > 1 else engines.ENGINES
+    if weight_bits == 8 and cc is not None and cc < engines.VLLM_FP8_WEIGHTS_MIN_CC:
+        out = tuple(e for e in out if e != "vllm")
+    return out
 
 
 def sequences_by_level(
@@ -264,7 +278,7 @@ def sequences_by_level(
     kv_budget = budget.kv_budget_bytes
     return {
         name: engine_sequences(engine, spec, kv_budget, context_len, t.storage, tp)
-        for name, t in kv_types(engine, spec, budget.device).items()
+        for name, t in kv_types(engine, spec, budget.device, budget.compute_capability).items()
     }
 
 
@@ -291,10 +305,12 @@ def types_by_level(
     """
     kv_budget = budget.kv_budget_bytes
     out: dict[str, tuple[EngineKV, int]] = {}
-    for level, default in kv_types(engine, spec, budget.device).items():
+    for level, default in kv_types(engine, spec, budget.device, budget.compute_capability).items():
         pool = [
             t
-            for t in engines.candidates(engine, level, results, budget.device, spec.head_dim)
+            for t in engines.candidates(
+                engine, level, results, budget.device, spec.head_dim, budget.compute_capability
+            )
             if _priced_exactly(t, spec)
         ]
         fits = [
@@ -469,6 +485,7 @@ def decide(
     results: Mapping[str, Any] | None = None,
     typical_context: int | None = None,
     allowed: Sequence[str] | None = None,
+    compute_capability: tuple[int, int] | None = None,
 ) -> Decision:
     """Rules 1–4 for a request that is already valid (:func:`kvlib.plan.planner.recommend` checks it).
 
@@ -478,15 +495,16 @@ def decide(
     has its one default type — :func:`kvlib.plan.planner.recommend` passes the results it cites);
     ``typical_context`` (tokens, at most ``context_len``) sizes a paged engine's admission
     (:func:`kvlib.plan.settings.vllm_max_num_seqs`), not the guarantee; ``allowed`` the engines
-    the request allows to be chosen (None: every one; the others still get their options).
+    the request allows to be chosen (None: every one; the others still get their options);
+    ``compute_capability`` the GPU's, where known (it decides the vLLM types and weights that run).
     """
     results = {} if results is None else results
     tp = num_gpus
-    budget = memory_budget(spec, device, gpu_memory_gb, weight_bits, tp)
+    budget = memory_budget(spec, device, gpu_memory_gb, weight_bits, tp, compute_capability)
     options = {
         e: _option(spec, budget, context_len, concurrency, quality, tp, e, results, typical_context)
         for e in engines.ENGINES
-        if e in _available(device, tp)
+        if e in _available(device, tp, weight_bits, compute_capability)
     }
     allowed = None if allowed is None else tuple(allowed)
     engine = choose_engine(device, concurrency, tp, options, allowed)

@@ -77,7 +77,12 @@ def summary(
         f"{d.model} on {d.num_gpus} × {h(round(d.gpu_memory_gb * memory.GIB))} {d.device.upper()}"
         f", context {d.context_len:,}, {d.concurrency} concurrent, quality "
         f"{d.quality}, {d.weight_bits}-bit weights"
-        + (f", engines {'/'.join(d.engines)} only" if d.engines is not None else ""),
+        + (f", engines {'/'.join(d.engines)} only" if d.engines is not None else "")
+        + (
+            f", compute capability {d.budget.compute_capability[0]}.{d.budget.compute_capability[1]}"
+            if d.budget.compute_capability is not None
+            else ""
+        ),
         f"status: {d.status}"
         + (f" ({d.max_concurrency} of {d.concurrency} fit)" if d.status == "reduced" else ""),
     ]

@@ -143,7 +143,7 @@ def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
     if d.engine == "vllm":
         served = (
             "several sequences or GPUs: a serving engine (vLLM) with paged KV blocks of "
-            f"{VLLM_BLOCK_SIZE} tokens wastes under 4 % of the cache instead of reserving "
+            f"{VLLM_BLOCK_SIZE} tokens wastes under 4 % of the cache (the vLLM paper) instead of reserving "
             "max-length buffers, batches continuously"
             + (f", and splits the model over {tp} GPUs (tensor parallelism)" if tp > 1 else "")
             if d.concurrency > 1 or tp > 1
@@ -176,7 +176,9 @@ def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
             "int2; it buys memory, not speed, and serves no one (no server, no batching): a "
             "lab's or a single script's setting"
         ]
-    preferred = engine_candidates(d.device, d.concurrency, tp, d.engines)
+    preferred = [
+        e for e in engine_candidates(d.device, d.concurrency, tp, d.engines) if e in d.options
+    ]
     passed = preferred[: preferred.index(d.engine)]
     if passed:
         out.insert(
@@ -243,7 +245,7 @@ def dominating(d: Decision, results: Mapping[str, Any]) -> list[EngineKV]:
     allowed = QUALITY_LADDER[d.quality]
     out = []
     for engine in d.options:
-        for level in plan_rule.kv_types(engine, d.spec, d.device):
+        for level in plan_rule.kv_types(engine, d.spec, d.device, d.budget.compute_capability):
             if level not in allowed:
                 continue
             for u in engines.candidates(engine, level, results, d.device, d.spec.head_dim):
@@ -477,7 +479,7 @@ def _weights_before_cache(
     """The watch line for a plan that fits only below 8-bit KV while lower-bit weights would
     let the whole request fit at a higher KV level: both KV types' measured costs, and the
     weights' cost left to the user (this project does not measure it)."""
-    t = plan_rule.kv_types(engine, d.spec, d.device)[setting]
+    t = plan_rule.kv_types(engine, d.spec, d.device, d.budget.compute_capability)[setting]
     line = (
         f"{weight_bits}-bit weights would leave the cache more room: with weight_bits="
         f"{weight_bits} the whole request fits at {setting} ({kv_label(t)} on {engine}) instead of "
