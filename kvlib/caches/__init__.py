@@ -19,6 +19,7 @@ module               what it holds                                              
 ``blocks``           the block allocator behind paged caches                         07
 ``paged``            paged attention, the paged transformers cache                   07
 ``hf_probe``         transformers' quantized layers, probed (private quantizer)      04
+``entries``          what each cache name means: family, bits, groups, defaults      04, 05, 08, 11
 ``registry``         one name and one factory per cache the project compares         04, 05, 08, 11
 ===================  ==============================================================  ==========
 """
@@ -32,6 +33,7 @@ __all__ = [
     "base",
     "blocks",
     "coded",
+    "entries",
     "eviction",
     "hf_probe",
     "kvquant",
