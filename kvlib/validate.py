@@ -17,7 +17,14 @@ import numbers
 from collections.abc import Collection
 from typing import Any
 
-__all__ = ["CODE_BITS", "PRICED_BITS", "check_bits", "check_int", "check_number"]
+__all__ = [
+    "CODE_BITS",
+    "PRICED_BITS",
+    "check_bits",
+    "check_divisor",
+    "check_int",
+    "check_number",
+]
 
 #: Bit widths kvlib packs into integer codes (:func:`kvlib.quant.packing.pack`).
 CODE_BITS: tuple[int, ...] = (2, 3, 4, 8)
@@ -72,4 +79,21 @@ def check_number(value: Any, name: str, *, positive: bool = False) -> float:
         raise ValueError(f"{name} must be finite (got {value})")
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0 (got {value})")
+    return value
+
+
+def check_divisor(value: Any, name: str, length: int, what: str) -> int:
+    """``value`` as an int that divides ``length`` (a group size along an axis or a window).
+
+    Raises:
+        TypeError: not an int (a bool is refused).
+        ValueError: not a positive divisor of ``length``; the message names ``what`` is divided
+            and lists the divisors that would do.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None (got {value!r})")
+    if value <= 0 or length % value:
+        divisors = [d for d in range(1, length + 1) if length % d == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+        raise ValueError(f"{name} must divide {what} (got {value}; accepted: {shown})")
     return value

@@ -258,3 +258,21 @@ def test_segments_tile_the_text_and_repeat_its_bos(ids, tokens, bos):
     for bad in (-1, 1.0, True):
         with pytest.raises(ValueError, match="segment index"):
             segment(ids, bad, tokens)
+
+
+@given(st.integers(min_value=1, max_value=512), st.integers(min_value=-4, max_value=600))
+def test_check_divisor_accepts_exactly_the_divisors(length, value):
+    """kvlib.validate.check_divisor: a positive divisor comes back as it is; anything else is
+    refused with the divisors that would do, and a non-int with a TypeError."""
+    from kvlib.validate import check_divisor
+
+    if value > 0 and length % value == 0:
+        assert check_divisor(value, "group_size", length, f"axis of length {length}") == value
+    else:
+        with pytest.raises(
+            ValueError,
+            match=rf"group_size must divide axis of length {length} \(got {value}; accepted: 1",
+        ):
+            check_divisor(value, "group_size", length, f"axis of length {length}")
+    with pytest.raises(TypeError, match="group_size must be an int"):
+        check_divisor(float(max(value, 1)), "group_size", length, "it")

@@ -135,7 +135,7 @@ def test_quantize_kv_rejects_bad_input():
         quantize_kv(k[0], v[0], KVRecipe())
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         quantize_kv(k[..., :48], v[..., :48], KVRecipe(rotate=True))
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(ValueError, match="group_size must divide axis"):
         quantize_kv(k, v, KVRecipe(value_group_size=48))
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize_kv(k.masked_fill(k > 2, float("nan")), v, KVRecipe())

@@ -33,7 +33,7 @@ from kvlib.kernels.decode import PackedKV, interpreter_mode, triton_available
 from kvlib.kernels.fused_attention import FusedStep
 from kvlib.quant.rotation import rotate, unrotate
 from kvlib.quant.tensor import QuantizedTensor, quantize
-from kvlib.validate import check_bits, check_int
+from kvlib.validate import check_bits, check_divisor, check_int
 
 __all__ = [
     "QuantizedKVLayer",
@@ -73,16 +73,9 @@ def check_key_group_size(key_group_size: Any, residual_length: int, key_bits: in
     """Tokens per key scale group; ``None``: :func:`default_key_group_size`."""
     if key_group_size is None:
         return default_key_group_size(key_bits, residual_length)
-    if isinstance(key_group_size, bool) or not isinstance(key_group_size, int):
-        raise TypeError(f"key_group_size must be an int or None (got {key_group_size!r})")
-    if key_group_size <= 0 or residual_length % key_group_size:
-        divisors = [d for d in range(1, residual_length + 1) if residual_length % d == 0]
-        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-        raise ValueError(
-            f"key_group_size must divide residual_length {residual_length} "
-            f"(got {key_group_size}; accepted: {shown})"
-        )
-    return key_group_size
+    return check_divisor(
+        key_group_size, "key_group_size", residual_length, f"residual_length {residual_length}"
+    )
 
 
 def check_window_dtype(window_dtype: Any) -> None:

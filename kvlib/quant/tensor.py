@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvlib.quant.packing import pack_uint8, packed_nbytes, unpack
-from kvlib.validate import check_bits
+from kvlib.validate import check_bits, check_divisor
 
 __all__ = [
     "QuantizedTensor",
@@ -346,16 +346,7 @@ def _check_group_size(group_size: object, axis: int, length: int) -> int:
     """The group size along the reduced axis of ``length`` elements (``None``: the whole axis)."""
     if group_size is None:
         return length
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be an int or None (got {group_size!r})")
-    if group_size <= 0 or length % group_size:
-        divisors = [d for d in range(1, length + 1) if length % d == 0]
-        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-        raise ValueError(
-            f"group_size {group_size} does not divide axis {axis} of length {length} "
-            f"(accepted: {shown})"
-        )
-    return group_size
+    return check_divisor(group_size, "group_size", length, f"axis {axis} of length {length}")
 
 
 def _group_min_max(
