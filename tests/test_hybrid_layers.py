@@ -351,3 +351,47 @@ def test_hybrid_hf_cache_refuses_what_transformers_refuses():
         compat.hf_quantized_cache(cfg, "fp8", residual_length=8, sliding_layer=SlidingWindowLayer)
     with pytest.raises(ValueError, match="backend must be one of"):
         compat.hf_quantized_cache(cfg, "int4", sliding_layer=SlidingWindowLayer)
+
+
+def test_one_shared_prefill_answers_as_generate_does_on_a_hybrid_model(gemma):
+    """kvlib.eval.retrieval.compare_retrieval on a model with sliding-window layers: the shared
+    prefill stores every layer in full, so each cache (which keeps its own window) answers what
+    its own evaluate_retrieval run answers; a base model's tokenizer (no chat template) gets the
+    plain-text prompt."""
+    from kvlib.caches import registry
+    from kvlib.eval import retrieval
+
+    class Tokenizer:  # one token per character of the tiny vocabulary, no chat template
+        chat_template = None
+
+        def __call__(self, text, return_tensors=None):
+            ids = [ord(c) % VOCAB for c in text]
+
+            class Out:
+                input_ids = torch.tensor([ids]) if return_tensors == "pt" else ids
+
+            return Out()
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(48 + int(i) % 10) if int(i) < 20 else chr(int(i)) for i in ids)
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise AssertionError("a base model's prompt must not use a chat template")
+
+    cfg, tok = gemma.config, Tokenizer()
+    corpus = "\n".join(f"Line {i} of the filler, about the data model." for i in range(400))
+    caches = {
+        "dynamic": None,
+        "kvlib-int4": registry.cache_factory("kvlib-int4", cfg),
+        "h2o": registry.cache_factory("evict-h2o", cfg, budget=96),
+    }
+    grid = {"context_tokens": (200,), "depths": (0.3, 0.8), "trials": 1, "seed": 2}
+    from unittest import mock
+
+    with mock.patch("kvlib.eval.passkey.load_eval_text", return_value=corpus):
+        shared = retrieval.compare_retrieval(gemma, tok, caches, **grid)
+        for name, factory in caches.items():
+            alone = retrieval.evaluate_retrieval(gemma, tok, factory, **grid)
+            for a, b in zip(shared[name].records, alone.records, strict=True):
+                assert b["output"].startswith(a["output"]) and a["correct"] == b["correct"], name
+    assert shared["h2o"].records[0]["nbytes"] < shared["dynamic"].records[0]["nbytes"]

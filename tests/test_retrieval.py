@@ -16,6 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 class CharTokenizer:
     """A stand-in tokenizer: one token per character, a plain chat template."""
 
+    chat_template = "<role>content</role> (a stand-in)"
+
     def __call__(self, text, return_tensors=None):
         import torch
 
@@ -73,6 +75,30 @@ def test_single_key_prompt_states_needle_and_question(depth):
         "The secret number is"
     )
     assert abs(trial.input_ids.shape[1] - 2000) < 100
+
+
+def test_base_model_prompt_is_the_same_words_without_a_template():
+    """A tokenizer without a chat template (a base model, as Gemma 3 270M's GGUF) gets the task,
+    the text and the question as plain text; the needle sits where the templated one does."""
+
+    class NoTemplate(CharTokenizer):
+        chat_template = None
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("tokenizer.chat_template is not set")
+
+    rng_args = {"rng": random.Random(3), "corpus": CORPUS}
+    plain = NoTemplate().decode(
+        retrieval.make_trial(NoTemplate(), 2000, 0.5, **rng_args).input_ids[0]
+    )
+    templated = CharTokenizer().decode(
+        retrieval.make_trial(
+            CharTokenizer(), 2000, 0.5, rng=random.Random(3), corpus=CORPUS
+        ).input_ids[0]
+    )
+    assert plain.startswith("A secret number is hidden") and "<user>" not in plain
+    assert plain.endswith("What is the secret number?\n\nThe secret number is")
+    assert templated.removeprefix("<user>").replace("</user><a>", "\n\n").startswith(plain[:1000])
 
 
 def test_multi_key_prompt_hides_several_and_asks_one():

@@ -1,8 +1,9 @@
 """The pass-key prompt: a number hidden in filler text at a chosen depth (notebook 11).
 
-The filler is Python's documentation from :mod:`kvlib.data`'s corpus; the chat-templated prompt
-states the task before the text and asks for the key after it, ending with the start of the
-answer. :func:`make_trial` builds one such prompt (a :class:`Trial`); ``n_keys > 1`` gives the
+The filler is Python's documentation from :mod:`kvlib.data`'s corpus; the prompt states the task
+before the text and asks for the key after it, ending with the start of the answer. An
+instruction-tuned model gets it through its chat template; a base model, whose tokenizer has
+none (Gemma 3 270M's GGUF carries no template), gets the same words as plain text. :func:`make_trial` builds one such prompt (a :class:`Trial`); ``n_keys > 1`` gives the
 multi-key variant, several keys for different named doors, one of them asked.
 :mod:`kvlib.eval.retrieval` runs and scores many of them.
 """
@@ -35,8 +36,8 @@ class Trial:
     """One prompt of the task.
 
     Attributes:
-        input_ids: ``(1, prompt_tokens)`` the chat-templated prompt, ending with the start of
-            the answer ("The secret number ... is").
+        input_ids: ``(1, prompt_tokens)`` the prompt (chat-templated where the tokenizer has a
+            template), ending with the start of the answer ("The secret number ... is").
         answer: the key asked for (digits).
         context_tokens: the length asked for; ``input_ids`` is within a few tokens of it.
         depth: where the (asked) key sits in the filler, 0 = start, 1 = end.
@@ -119,7 +120,9 @@ def make_trial(
     """One pass-key prompt of about ``context_tokens`` tokens.
 
     Args:
-        tokenizer: the model's tokenizer (with a chat template).
+        tokenizer: the model's tokenizer. With a chat template the task and the text are one
+            user message and the answer starts the assistant's turn; without one (a base
+            model) the prompt is the same words as plain text.
         context_tokens: prompt length to aim for (``>= 128``).
         depth: position of the asked key in the filler, 0 (start) .. 1 (end).
         key_digits: digits per key, 1..20 (no leading zero).
@@ -129,7 +132,7 @@ def make_trial(
         corpus: filler text (default :func:`kvlib.data.load_eval_text`).
 
     Raises:
-        TypeError / ValueError: arguments out of range, or a tokenizer without a chat template.
+        TypeError / ValueError: arguments out of range, or not a transformers tokenizer.
     """
     context_tokens = check_int(context_tokens, "context_tokens", minimum=128)
     depth = _check_depth(depth)
@@ -178,6 +181,8 @@ def make_trial(
         for d, needle in sorted(needles, key=lambda x: -x[0]):
             body.insert(round(d * len(lines)), needle)
         content = f"{task}\n\n" + "\n".join(body) + f"\n\n{question}"
+        if not getattr(tokenizer, "chat_template", None):
+            return f"{content}\n\n{prefix}"
         messages = [{"role": "user", "content": content}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text + prefix

@@ -326,7 +326,9 @@ def compare_retrieval(
     of one pass attend to each other in full, whatever is stored afterwards; kvlib's
     quantized and eviction caches and DynamicCache all do), so the prefill's logits, keys,
     values and queries are the same for every cache. They are computed once, with a
-    DynamicCache; each cache is then filled from them layer by layer (an eviction cache gets
+    DynamicCache that stores every layer in full (on a model with sliding-window layers too:
+    their prefill pass sees the whole prompt under the sliding mask, and a cache filled with it
+    keeps its window, as it would after its own prefill); each cache is then filled from them layer by layer (an eviction cache gets
     each layer's queries first, :func:`kvlib.caches.eviction.cache.recorded_queries`) and decodes its
     answer greedily on its own. A cache that returns anything else from its prefill is
     refused with a ``ValueError``, so the shortcut never changes a result (tests check it
@@ -360,7 +362,9 @@ def compare_retrieval(
     with capture_queries(model):
         for trial in tqdm(trials_list, desc="prompts", disable=not progress, file=sys.stderr):
             with recorded_queries(model) as queries:
-                out = compat.forward(model, trial.input_ids, compat.dynamic_cache(model.config))
+                # every layer stored in full: a sliding-window layer's prefill also attends the
+                # whole prompt (under the model's sliding mask), and each cache keeps its window
+                out = compat.forward(model, trial.input_ids, compat.dynamic_cache())
             prompt_cache = compat.output_cache(out)
             states = compat.cache_tensors(prompt_cache)
             first = int(out.logits[0, -1].argmax())
