@@ -131,6 +131,56 @@ def test_defaults_are_read_from_the_classes():
         assert info.residual_tokens == hf["residual_length"].default
 
 
+def test_transformers_quantized_layer_defaults_are_its_own():
+    """kvlib.caches.hf_layout keeps transformers' QuantizedLayer defaults as numbers (so the
+    registry's table needs no transformers): they must still be transformers' own."""
+    from transformers.cache_utils import QuantizedLayer
+
+    from kvlib.caches import hf_layout
+
+    hf = inspect.signature(QuantizedLayer.__init__).parameters
+    assert hf["q_group_size"].default == hf_layout.Q_GROUP_SIZE
+    assert hf["residual_length"].default == hf_layout.RESIDUAL_LENGTH
+    assert hf["axis_key"].default == hf_layout.AXIS_KEY
+    assert hf["axis_value"].default == hf_layout.AXIS_VALUE
+
+
+def test_the_torch_free_table_matches_torch():
+    """The table's plain data (dtype names and bits, the eviction policies' lines) agrees with
+    what the torch side builds: the reference's bits, ``POLICIES``, the caches' defaults."""
+    from kvlib.caches import entries, eviction_settings
+    from kvlib.caches.eviction.cache import POLICIES
+    from kvlib.caches.eviction.layer import GROUP_SIZE
+    from kvlib.caches.kvquant import KVQuantCache
+    from kvlib.caches.turboquant import BOUNDARY_LAYERS
+    from kvlib.quant import presets
+
+    for short, (dtype, bits) in entries.REFERENCE_DTYPES.items():
+        assert torch.finfo(getattr(torch, dtype)).bits == bits
+        assert cache_registry.reference_name(getattr(torch, dtype)) == f"dynamic-{short}"
+    assert list(cache_registry.DTYPE_NAMES) == [torch.float32, torch.float16, torch.bfloat16]
+    assert list(POLICIES) == list(eviction_settings.POLICY_LINES)  # the registry's order
+    for name, policy in POLICIES.items():
+        assert policy.description == eviction_settings.POLICY_LINES[name]
+    assert GROUP_SIZE == eviction_settings.GROUP_SIZE
+    assert tq.VLLM_PRESETS is presets.VLLM_PRESETS and BOUNDARY_LAYERS == presets.BOUNDARY_LAYERS
+    init = inspect.signature(KVQuantCache.__init__).parameters
+    assert init["outlier_fraction"].default == presets.OUTLIER_FRACTION
+
+
+def test_eviction_entries_name_their_dtype(config):
+    """The table names the eviction caches' dtype (``"float16"``); the factory passes the torch
+    dtype, and an explicit ``dtype=`` still overrides it."""
+    for name in cache_registry.EVICTION_NAMES:
+        assert cache_registry.cache_info(name).options["dtype"] == "float16"
+    keys = torch.randn(1, config.num_key_value_heads, 3, config.head_dim)
+    for options, dtype in (({}, torch.float16), ({"dtype": torch.float32}, torch.float32)):
+        for name in ("evict-streaming", "evict-knorm-int4"):
+            cache = cache_registry.make_cache(name, config, budget=8, **options)
+            cache.update(keys, keys, 0)
+            assert cache.layers[0].dtype == dtype
+
+
 def test_variants_build_the_cache_their_name_says(config):
     rot = cache_registry.make_cache("kvlib-int4-rot", config)
     norot = cache_registry.make_cache("kvlib-int2-norot", config)

@@ -203,3 +203,17 @@ def test_kvlib_plan_and_import_kvlib_load_no_torch():
     )
     # and the device helpers still load torch when asked for
     assert "torch" in _imported("-c", "import kvlib; kvlib.seed_everything(0)")
+
+
+def test_cache_registry_entries_load_no_torch():
+    """The registry's table (what each cache name means) is plain data: importing it, its
+    names and the torch-free modules it reads loads neither torch nor transformers; building
+    a cache (``kvlib.caches.registry``) still does."""
+    code = (
+        "import kvlib.caches.entries\n"
+        "from kvlib.caches.entries import CACHE_NAMES, ENTRIES, EVICTION_NAMES, FAMILIES, CacheInfo\n"
+        "import kvlib.caches.hf_layout, kvlib.caches.eviction_settings, kvlib.quant.presets\n"
+        "assert ENTRIES['kvlib-int4'].bits == 4 and CACHE_NAMES and EVICTION_NAMES and FAMILIES\n"
+    )
+    assert not {"torch", "transformers"} & _imported("-c", code)
+    assert {"torch", "transformers"} <= _imported("-c", "import kvlib.caches.registry")

@@ -1,27 +1,29 @@
 """What each cache name of the registry means: one :class:`CacheInfo` per name, its family, bits,
-groups and full-precision tokens, with the defaults read from the classes themselves (kvlib's
-caches and their default functions, transformers' ``QuantizedLayer`` signature), never copied.
+groups and full-precision tokens, with the defaults read from where the classes read theirs,
+never copied: :mod:`kvlib.caches.layout` (kvlib's quantized cache, its TurboQuant and KVQuant
+layouts), :mod:`kvlib.quant.presets` (vLLM's TurboQuant dtypes and boundary layers, KVQuant's
+outliers), :mod:`kvlib.caches.eviction_settings` (the eviction policies' names and lines, the int4
+group) and :mod:`kvlib.caches.hf_layout` (transformers' ``QuantizedLayer`` defaults, checked
+against its signature by the tests).
 
-:mod:`kvlib.caches.registry` builds the caches these entries name and documents every name;
-this module holds the table itself (:data:`ENTRIES`, in display order).
+The table is plain data: this module imports no torch and no transformers (import-linter's
+contract "the planner needs no torch" and ``tests/test_packaging.py`` check it), so a dtype in
+an entry's options is its name (``"float16"``), which :mod:`kvlib.caches.registry` turns into the
+torch dtype when it builds the cache. :mod:`kvlib.caches.registry` builds the caches these entries
+name and documents every name; this module holds the table itself (:data:`ENTRIES`, in display
+order).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import torch
-
-from kvlib.caches import kvquant, turboquant
+from kvlib.caches import eviction_settings, hf_layout
 from kvlib.caches import layout as cache_layout
-from kvlib.caches import quantized as kvcache
-from kvlib.caches.eviction import cache as eviction
-from kvlib.caches.eviction import layer as eviction_layer
-from kvlib.quant import turboquant as tq
+from kvlib.quant import presets
 
 __all__ = [
     "CACHE_NAMES",
@@ -30,6 +32,7 @@ __all__ = [
     "FAMILIES",
     "INT_RESIDUAL",
     "KVTC_WINDOW",
+    "REFERENCE_DTYPES",
     "SHORT_WINDOW",
     "CacheInfo",
 ]
@@ -49,11 +52,15 @@ FAMILIES: tuple[str, ...] = (
     "kvtc",
 )
 
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-}
+#: The reference DynamicCache's dtypes, ``dynamic-<short>``: short name -> (torch's name for the
+#: dtype, its bits). :data:`kvlib.caches.registry.DTYPE_NAMES` maps the torch dtypes to these.
+REFERENCE_DTYPES: Mapping[str, tuple[str, int]] = MappingProxyType(
+    {
+        "fp32": ("float32", 32),
+        "fp16": ("float16", 16),
+        "bf16": ("bfloat16", 16),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,8 @@ class CacheInfo:
         residual_tokens: most recent tokens per sequence kept in full precision (plus kvlib's
             attention-sink tokens), which :mod:`kvlib.memory`'s formula leaves out.
         description: one line for tables.
-        options: the constructor options that make this variant (empty for the defaults).
+        options: the constructor options that make this variant (empty for the defaults); a
+            dtype by its torch name (``"float16"``), which the registry's factory converts.
         policy: the eviction policy (:data:`kvlib.caches.eviction.cache.POLICIES`) of an
             ``evict`` cache, else ``None``.
         requires: options the factory cannot do without (``("num_blocks",)`` for the paged
@@ -128,23 +136,6 @@ class CacheInfo:
         return self.bits
 
 
-def _default(func: Callable[..., Any], parameter: str) -> Any:
-    return inspect.signature(func).parameters[parameter].default
-
-
-def _hf_defaults() -> tuple[int, int, int, int]:
-    """(group size, residual tokens, key axis, value axis) of transformers' QuantizedLayer."""
-    from transformers.cache_utils import QuantizedLayer
-
-    init = QuantizedLayer.__init__
-    return (
-        _default(init, "q_group_size"),
-        _default(init, "residual_length"),
-        _default(init, "axis_key"),
-        _default(init, "axis_value"),
-    )
-
-
 #: The float16 window (and key block) of the ``kvlib-int*-w64`` caches, in tokens: at 4096
 #: tokens its float16 values take 64 × 16 / 4096 = 0.25 bit per cached value, against 0.5 for
 #: the default 128; the key groups double to the block, which saves as much again at 3 bits.
@@ -152,14 +143,12 @@ SHORT_WINDOW = 64
 
 
 def _kvlib_entries() -> list[CacheInfo]:
-    init = kvcache.QuantizedKVCache.__init__
-    residual = _default(init, "residual_length")
-    sinks = _default(init, "sink_tokens")
+    residual, sinks = cache_layout.RESIDUAL_LENGTH, cache_layout.SINK_TOKENS
     window = residual + sinks
     values = cache_layout.DEFAULT_VALUE_GROUP_CHANNELS
     out = []
     for bits in (8, 4, 3, 2):
-        keys = kvcache.default_key_group_size(bits, residual)
+        keys = cache_layout.default_key_group_size(bits, residual)
         group = cache_layout.predicted_group_size(bits, residual)
         layout = f"key groups of {keys} tokens, value groups of up to {values} channels"
         out.append(
@@ -216,7 +205,8 @@ def _kvlib_entries() -> list[CacheInfo]:
 
 
 def _hf_entries() -> list[CacheInfo]:
-    group, residual, axis_key, axis_value = _hf_defaults()
+    group, residual = hf_layout.Q_GROUP_SIZE, hf_layout.RESIDUAL_LENGTH
+    axis_key, axis_value = hf_layout.AXIS_KEY, hf_layout.AXIS_VALUE
     out = []
     for bits in (4, 2):
         out.append(
@@ -272,12 +262,12 @@ def _reference_entries() -> list[CacheInfo]:
         CacheInfo(
             f"dynamic-{short}",
             "dynamic",
-            torch.finfo(dtype).bits,
+            bits,
             None,
             0,
             f"transformers DynamicCache holding {short} (the reference)",
         )
-        for dtype, short in DTYPE_NAMES.items()
+        for short, (_, bits) in REFERENCE_DTYPES.items()
     ]
 
 
@@ -291,7 +281,7 @@ def _turboquant_entries() -> list[CacheInfo]:
     """vLLM 0.32's four TurboQuant dtypes as it runs them, and kvlib's layout of the same
     codec (4 sinks and a 128-token window in float16, block-centred keys)."""
     out = []
-    for dtype, (key_bits, value_bits) in tq.VLLM_PRESETS.items():
+    for dtype, (key_bits, value_bits) in presets.VLLM_PRESETS.items():
         keys = "float8 keys" if key_bits == 8 else f"{key_bits}-bit codebook keys"
         out.append(
             CacheInfo(
@@ -301,13 +291,12 @@ def _turboquant_entries() -> list[CacheInfo]:
                 _TQ_GROUP,
                 0,
                 f"vLLM's {dtype}: {keys}, {value_bits}-bit per-token values, every token "
-                f"encoded on arrival, first and last {turboquant.BOUNDARY_LAYERS} layers of a "
+                f"encoded on arrival, first and last {presets.BOUNDARY_LAYERS} layers of a "
                 "dense model in the model's dtype",
                 MappingProxyType({"key_bits": key_bits, "value_bits": value_bits}),
             )
         )
-    init = kvcache.QuantizedKVCache.__init__
-    residual, sinks = _default(init, "residual_length"), _default(init, "sink_tokens")
+    residual, sinks = cache_layout.RESIDUAL_LENGTH, cache_layout.SINK_TOKENS
     for bits in (4, 3, 2):
         options = {
             "key_bits": bits,
@@ -343,9 +332,8 @@ _KVQ_GROUP = 32
 def _kvquant_entries() -> list[CacheInfo]:
     """KVQuant's recipe at 4, 3 and 2 bits in kvlib's layout, with and without its non-uniform
     levels."""
-    init = kvquant.KVQuantCache.__init__
-    residual, sinks = _default(init, "residual_length"), _default(init, "sink_tokens")
-    share = _default(init, "outlier_fraction")
+    residual, sinks = cache_layout.RESIDUAL_LENGTH, cache_layout.SINK_TOKENS
+    share = presets.OUTLIER_FRACTION
     out = []
     for bits in (4, 3, 2):
         for nuq, suffix, levels in (
@@ -379,8 +367,8 @@ INT_RESIDUAL = 32
 
 def _eviction_entries() -> list[CacheInfo]:
     out = []
-    for policy, scorer in eviction.POLICIES.items():
-        line = scorer.description
+    group = eviction_settings.GROUP_SIZE
+    for policy, line in eviction_settings.POLICY_LINES.items():
         out.append(
             CacheInfo(
                 f"evict-{policy}",
@@ -389,7 +377,7 @@ def _eviction_entries() -> list[CacheInfo]:
                 None,
                 0,
                 f"{line}; float16 keys and values",
-                MappingProxyType({"dtype": torch.float16}),
+                MappingProxyType({"dtype": "float16"}),
                 policy=policy,
             )
         )
@@ -398,11 +386,11 @@ def _eviction_entries() -> list[CacheInfo]:
                 f"evict-{policy}-int4",
                 "evict",
                 4,
-                eviction_layer.GROUP_SIZE,
+                group,
                 INT_RESIDUAL,
-                f"{line}; kept tokens in int4 (per token, {eviction_layer.GROUP_SIZE} channels per "
+                f"{line}; kept tokens in int4 (per token, {group} channels per "
                 f"scale), the newest {INT_RESIDUAL} in float16",
-                MappingProxyType({"dtype": torch.float16, "bits": 4, "residual": INT_RESIDUAL}),
+                MappingProxyType({"dtype": "float16", "bits": 4, "residual": INT_RESIDUAL}),
                 policy=policy,
             )
         )

@@ -32,6 +32,7 @@ from kvlib.caches.coded import CodedLayer
 from kvlib.caches.layout import RESIDUAL_LENGTH, SINK_TOKENS
 from kvlib.caches.sliding import SlidingWindowLayer
 from kvlib.quant.kvquant import KVQuantizer
+from kvlib.quant.presets import OUTLIER_FRACTION
 from kvlib.rope import rope_from_config, rotate_by, rotation_table
 from kvlib.specs import kv_geometry
 from kvlib.validate import check_int
@@ -130,7 +131,7 @@ class KVQuantCache(ByteCounts, Cache):
         key_bits: int = 3,
         value_bits: int = 3,
         *,
-        outlier_fraction: float = 0.01,
+        outlier_fraction: float = OUTLIER_FRACTION,
         nuq: bool = True,
         pre_rope: bool = True,
         sink_tokens: int = SINK_TOKENS,

@@ -57,14 +57,17 @@ tokens it will hold), or as ``budget=`` (tokens per layer) or ``max_bytes=``:
 tokens to int4 (:data:`EVICTION_NAMES` lists them). The names are parsed by :mod:`kvlib.keys`,
 as the results file's rows are.
 
-Defaults (group sizes, the full-precision window) are read from the classes — kvlib's
-:class:`~kvlib.caches.quantized.QuantizedKVCache` and its default functions, transformers'
-``QuantizedLayer`` signature — never copied, so a changed default changes every prediction.
+Defaults (group sizes, the full-precision window) are read from where the classes read theirs,
+never copied — :mod:`kvlib.caches.layout` (kvlib's :class:`~kvlib.caches.quantized.QuantizedKVCache`
+and its default functions), :mod:`kvlib.quant.presets`, :mod:`kvlib.caches.eviction_settings` —
+so a changed default changes every prediction; transformers' ``QuantizedLayer`` defaults are kept
+in :mod:`kvlib.caches.hf_layout`, and a test checks them against its signature. The table
+(:mod:`kvlib.caches.entries`) imports no torch; this module, which builds the caches, does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -75,12 +78,12 @@ from kvlib.caches import kvquant, paged, turboquant
 from kvlib.caches import quantized as kvcache
 from kvlib.caches.entries import (
     CACHE_NAMES,
-    DTYPE_NAMES,
     ENTRIES,
     EVICTION_NAMES,
     FAMILIES,
     INT_RESIDUAL,
     KVTC_WINDOW,
+    REFERENCE_DTYPES,
     SHORT_WINDOW,
     CacheInfo,
 )
@@ -109,6 +112,21 @@ __all__ = [
 ]
 
 
+#: The reference DynamicCache's name (``dynamic-<name>``) for each torch dtype it is named for.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    getattr(torch, dtype): short for short, (dtype, _) in REFERENCE_DTYPES.items()
+}
+
+
+def _options(info: CacheInfo, **options: Any) -> dict[str, Any]:
+    """``info``'s own options with ``options`` on top, a dtype named in the table (``"float16"``:
+    :mod:`kvlib.caches.entries` imports no torch) as the torch dtype."""
+    own: Mapping[str, Any] = info.options
+    if isinstance(own.get("dtype"), str):
+        own = {**own, "dtype": getattr(torch, own["dtype"])}
+    return {**own, **options}
+
+
 def _window(sliding_window: int) -> SlidingWindowLayer:
     """The layer every cache of the registry gives a hybrid model's sliding-window layers:
     the window in float16, as :class:`kvlib.caches.quantized.QuantizedKVCache` keeps it, so that
@@ -123,7 +141,7 @@ def _build(info: CacheInfo, config: Any, **options: Any) -> Callable[[], Any]:
         return _eviction_factory(info, config, None, **options)
     if info.family == "kvtc":
         return _kvtc_factory(info, None, **options)
-    merged = {**info.options, **options}
+    merged = _options(info, **options)
     if info.family == "dynamic":
         if merged:
             raise ValueError(f"{info.name!r} takes no options (got {sorted(merged)})")
@@ -173,7 +191,7 @@ def _eviction_factory(
     tokens: int | None = None,
     **options: Any,
 ) -> Callable[[], Any]:
-    merged = {**info.options, **options}
+    merged = _options(info, **options)
     if share is not None:
         if tokens is None:
             raise ValueError(
@@ -213,7 +231,7 @@ def _kvtc_factory(
     """A codec whose stored bytes for ``tokens`` tokens aim at ``KVTC_AIM · share`` of fp16's:
     the float16 window's share is paid first and the codes get the rest. An aim, not a bound:
     where the window takes most of the budget, the codes can land a few per cent over."""
-    merged = {**info.options, **options}
+    merged = _options(info, **options)
     if basis is None:
         raise ValueError(f"{info.name!r} needs basis= (a kvlib.kvtc.pca.KVPCABasis of the model)")
     if share is not None:

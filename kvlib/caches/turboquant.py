@@ -38,14 +38,12 @@ from kvlib import compat
 from kvlib.caches.base import ByteCounts
 from kvlib.caches.coded import CodedLayer
 from kvlib.caches.sliding import SlidingWindowLayer
+from kvlib.quant.presets import BOUNDARY_LAYERS  # vLLM's, with its presets (no torch there)
 from kvlib.quant.turboquant import TurboQuantizer
 from kvlib.specs import kv_geometry
 from kvlib.validate import check_int
 
 __all__ = ["BOUNDARY_LAYERS", "TurboQuantCache", "TurboQuantLayer"]
-
-#: Layers at each end of a dense model that vLLM keeps in the model's dtype.
-BOUNDARY_LAYERS = 2
 
 
 class TurboQuantLayer(CodedLayer):

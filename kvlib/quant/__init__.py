@@ -14,6 +14,8 @@ module        what it holds                                                   no
               norm (or float8), per-token values; vLLM's presets; QJL
 ``kvquant``   KVQuant's codec: per-channel or per-token codes with Lloyd      05
               levels and a sparse table of outliers
+``presets``   vLLM's TurboQuant dtypes and boundary layers, KVQuant's         05
+              outlier share, as plain numbers (no torch)
 ============  ==============================================================  ==========
 """
 
@@ -22,7 +24,16 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["codebook", "kvquant", "packing", "recipes", "rotation", "tensor", "turboquant"]
+__all__ = [
+    "codebook",
+    "kvquant",
+    "packing",
+    "presets",
+    "recipes",
+    "rotation",
+    "tensor",
+    "turboquant",
+]
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from kvlib.quant.packing import pack_uint8, packed_nbytes, unpack
+from kvlib.quant.presets import OUTLIER_FRACTION
 from kvlib.validate import check_int
 
 __all__ = ["AXES", "BITS", "KVQuantizer", "SparseBlocks", "decode_block", "encode_block"]
@@ -169,7 +170,11 @@ def _lloyd(u: torch.Tensor, weight: torch.Tensor, levels: int) -> torch.Tensor:
 
 
 def encode_block(
-    x: torch.Tensor, bits: int, axis: str, outlier_fraction: float = 0.01, nuq: bool = True
+    x: torch.Tensor,
+    bits: int,
+    axis: str,
+    outlier_fraction: float = OUTLIER_FRACTION,
+    nuq: bool = True,
 ) -> SparseBlocks:
     """Encode one block ``(batch, kv_heads, T, head_dim)`` (see the module docstring).
 
@@ -300,7 +305,7 @@ class KVQuantizer:
         key_bits: int = 3,
         value_bits: int = 3,
         *,
-        outlier_fraction: float = 0.01,
+        outlier_fraction: float = OUTLIER_FRACTION,
         nuq: bool = True,
     ) -> None:
         self.head_dim = check_int(head_dim, "head_dim", minimum=8)

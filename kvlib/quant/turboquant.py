@@ -17,7 +17,8 @@ norm. The paper's second stage, a 1-bit QJL sketch of the residual that makes in
 unbiased (:class:`QJL`), is left out of every vLLM preset ("it hurts attention quality", says
 vLLM's source).
 
-vLLM 0.32's presets (``--kv-cache-dtype``, :data:`VLLM_PRESETS`), read from its source
+vLLM 0.32's presets (``--kv-cache-dtype``, :data:`VLLM_PRESETS`, kept in
+:mod:`kvlib.quant.presets`), read from its source
 (``vllm/model_executor/layers/quantization/turboquant/config.py``):
 
 =========================  ==============================  ===========================
@@ -39,13 +40,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from kvlib.quant.codebook import Codebook, gaussian_codebook, sphere_codebook
 from kvlib.quant.packing import pack_uint8, packed_nbytes, unpack
+from kvlib.quant.presets import VLLM_PRESETS  # no torch there: the registry's table reads it
 from kvlib.quant.rotation import hadamard, random_orthogonal, rotate, unrotate
 from kvlib.quant.tensor import QuantizedTensor, quantize
 from kvlib.validate import check_int
@@ -66,17 +67,6 @@ KEY_BITS: tuple[int, ...] = (2, 3, 4, 8)
 VALUE_BITS: tuple[int, ...] = (2, 3, 4, 8)
 #: Largest finite float8 e4m3fn value: fp8 keys are clamped to it (vLLM casts without a scale).
 FP8_MAX = 448.0
-
-#: vLLM 0.32's TurboQuant KV-cache dtypes as ``(key_bits, value_bits)`` (8: float8 keys); all
-#: but ``turboquant_k8v4`` use norm correction.
-VLLM_PRESETS = MappingProxyType(
-    {
-        "turboquant_k8v4": (8, 4),
-        "turboquant_4bit_nc": (4, 4),
-        "turboquant_k3v4_nc": (3, 4),
-        "turboquant_3bit_nc": (3, 3),
-    }
-)
 
 _ROTATIONS = ("hadamard", "random")
 _CODEBOOKS = ("gaussian", "sphere")

@@ -10,6 +10,7 @@ import torch
 
 from kvlib.caches.eviction.policy import Observation, Policy
 from kvlib.caches.eviction.scores import attention_weights
+from kvlib.caches.eviction_settings import POLICY_LINES
 
 __all__ = ["H2O", "h2o_scores"]
 
@@ -27,7 +28,7 @@ class H2O(Policy):
     """Accumulated attention per KV head, with half the budget kept for recent tokens."""
 
     name = "h2o"
-    description = "H2O: accumulated attention (heavy hitters) plus recent tokens"
+    description = POLICY_LINES[name]
     needs_queries = True
     keeps_scores = True
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.caches.eviction.policy import Observation, Policy
+from kvlib.caches.eviction_settings import POLICY_LINES
 
 __all__ = ["KNorm", "knorm_scores"]
 
@@ -22,7 +23,7 @@ class KNorm(Policy):
     """Keep the lowest-norm keys, per KV head; no queries needed."""
 
     name = "knorm"
-    description = "KNorm: lowest key norms"
+    description = POLICY_LINES[name]
 
     def score(self, seen: Observation) -> torch.Tensor:
         return knorm_scores(seen.keys)

@@ -31,6 +31,7 @@ from kvlib.caches.eviction.policy import Observation, Policy
 from kvlib.caches.eviction.snapkv import SnapKV
 from kvlib.caches.eviction.streaming import StreamingLLM
 from kvlib.caches.eviction.tova import TOVA
+from kvlib.caches.eviction_settings import GROUP_SIZE
 from kvlib.caches.quantized import default_group_size
 from kvlib.quant.rotation import rotate, unrotate
 from kvlib.quant.tensor import QuantizedTensor, quantize
@@ -39,7 +40,7 @@ from kvlib.validate import check_bits, check_int
 __all__ = ["GROUP_SIZE", "POLICIES", "EvictionLayer", "check_policy", "default_group"]
 
 #: Eviction policies by name, one module and one :class:`~kvlib.caches.eviction.policy.Policy`
-#: each.
+#: each, in the order of :data:`kvlib.caches.eviction_settings.POLICY_LINES` (the registry's).
 POLICIES: dict[str, Policy] = {
     p.name: p for p in (StreamingLLM(), SnapKV(), H2O(), TOVA(), KNorm())
 }
@@ -57,14 +58,6 @@ def check_policy(policy: Any) -> str:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; accepted: {', '.join(POLICIES)}")
     return policy
-
-
-#: The most channels one float16 scale and zero point cover when kept tokens are quantized (each
-#: token on its own): the largest divisor of head_dim up to this. Measured at 1/4 of the fp16
-#: bytes on 2,048 tokens (RESULTS.md, run "eviction_int4_groups"), groups of 32 cost half the
-#: perplexity of groups of 64 (H2O on int4: +0.49 % against +1.00 %) at the same retrieval; at
-#: 1/8, where the finer scales' bytes cost tokens, the two are within the noise on retrieval.
-GROUP_SIZE = 32
 
 
 def default_group(head_dim: int) -> int:

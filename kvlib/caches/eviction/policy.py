@@ -61,7 +61,8 @@ class Policy:
 
     #: The policy's name in :data:`kvlib.caches.eviction.cache.POLICIES` and the registry.
     name: ClassVar[str]
-    #: One line for tables: the method and what it keeps.
+    #: One line for tables: the method and what it keeps (each policy's line is
+    #: ``kvlib.caches.eviction_settings.POLICY_LINES[name]``, where the registry reads it too).
     description: ClassVar[str]
     #: Whether :meth:`score` reads the attention queries (run the model inside
     #: :func:`kvlib.caches.eviction.queries.capture_queries`).

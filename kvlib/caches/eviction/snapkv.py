@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kvlib.caches.eviction.policy import Observation, Policy
 from kvlib.caches.eviction.scores import attention_weights
+from kvlib.caches.eviction_settings import POLICY_LINES
 
 __all__ = ["SNAPKV_KERNEL", "SNAPKV_WINDOW", "SnapKV", "snapkv_scores"]
 
@@ -53,7 +54,7 @@ class SnapKV(Policy):
     """Scored once per prefill by its last queries; decoding adds to the protected window."""
 
     name = "snapkv"
-    description = "SnapKV: scored once per prefill by the prompt's last queries"
+    description = POLICY_LINES[name]
     needs_queries = True
     keeps_scores = True
 

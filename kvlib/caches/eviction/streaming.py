@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.caches.eviction.policy import Observation, Policy
+from kvlib.caches.eviction_settings import POLICY_LINES
 
 __all__ = ["StreamingLLM", "streaming_scores"]
 
@@ -23,7 +24,7 @@ class StreamingLLM(Policy):
     """Keep ``sinks`` first tokens (default 4) and the most recent ones; no queries needed."""
 
     name = "streaming"
-    description = "StreamingLLM: attention sinks plus the most recent tokens"
+    description = POLICY_LINES[name]
     default_sinks = 4
 
     def window(self, budget: int, sinks: int, requested: int | None) -> int:

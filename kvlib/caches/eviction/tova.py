@@ -10,6 +10,7 @@ import torch
 
 from kvlib.caches.eviction.policy import Observation, Policy
 from kvlib.caches.eviction.scores import attention_weights
+from kvlib.caches.eviction_settings import POLICY_LINES
 
 __all__ = ["TOVA", "tova_scores"]
 
@@ -25,7 +26,7 @@ class TOVA(Policy):
     """The last query's attention, every step; the last token is always kept."""
 
     name = "tova"
-    description = "TOVA: the last query's attention, every step"
+    description = POLICY_LINES[name]
     needs_queries = True
 
     def default_window(self, budget: int) -> int:
