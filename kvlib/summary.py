@@ -62,8 +62,9 @@ def _quant_line(setting: str, results: Mapping[str, Any]) -> TechniqueLine:
         f"{cost['x_smaller_than_fp16']:.3g}× smaller than fp16 at {tokens:,} tokens "
         f"({cost['x_smaller_than_fp16_at_4096']:.3g}× at 4,096)",
         f"perplexity {note} vs the unquantized cache",
-        f"quantize-dequantize rel. RMSE {quant[f'kvlib per-token-{s.bits}']['rel_rmse']:.3g} "
-        "(per-token groups of 64)",
+        f"the quantizer alone on the model's keys: rel. RMSE "
+        f"{quant[f'kvlib per-token-{s.bits}']['rel_rmse']:.3g} in per-token groups of 64 (the "
+        "cache's layout for values; it groups keys per channel)",
     )
 
 

@@ -51,13 +51,14 @@ def recorded(name: str, data: Mapping[str, Any]) -> tuple[list[float], list[floa
     for entry in data.get("runs", {}).values():
         rows = entry.get("rows") if isinstance(entry, Mapping) else None
         row = rows.get(name) if isinstance(rows, Mapping) else None
-        if not isinstance(row, Mapping) or "perplexity_delta_pct" not in row:
+        if not isinstance(row, Mapping):
             continue
-        if "perplexity_delta_pct_mean" in row:
+        if "perplexity_delta_pct_mean" in row:  # the cache and turboquant runs
             canonical.append(float(row["perplexity_delta_pct_mean"]))
             segments += [float(x) for x in row.get("perplexity_delta_pct_segments", [])]
-            segments.append(float(row["perplexity_delta_pct"]))
-        else:
+            if "perplexity_delta_pct" in row:  # the cache run's protocol segment
+                segments.append(float(row["perplexity_delta_pct"]))
+        elif "perplexity_delta_pct" in row:
             canonical.append(float(row["perplexity_delta_pct"]))
     return canonical, segments
 
@@ -121,3 +122,13 @@ def test_quotes_find_registry_names_only() -> None:
         ("kvlib-int3", "+0.9"),
         ("kvlib-int8", "−0.01"),
     ]
+
+
+def test_runs_without_a_protocol_segment_are_read(data) -> None:
+    """The turboquant runs record means and segments only (no ``perplexity_delta_pct``): their
+    caches' costs are recorded too, one per model, and a figure off them is caught."""
+    canonical, segments = recorded("kvquant-2bit", data)
+    runs = kvresults.model_runs("turboquant", data)
+    assert len(canonical) == len(runs) >= 1 and len(segments) == 4 * len(runs)
+    assert problems(f"kvquant-2bit costs {canonical[0]:+.2f} % here.", data) == []
+    assert problems(f"kvquant-2bit costs {max(canonical) + 1:+.2f} % here.", data)

@@ -270,3 +270,52 @@ def test_a_plan_cites_the_measured_model_closest_in_build_and_says_so():
     # a plan that cites no multi-model run names no model, even for a Gemma
     fp16 = recommend("gemma-2-9b", 24, 8192, 1, results=TWO_MODELS)
     assert fp16.kv == "fp16" and not any("were measured on" in r for r in fp16.reasons)
+
+
+def _turboquant_run(model: str, k8v4: float) -> dict:
+    return {
+        "source": "benchmarks/bench_turboquant.py",
+        "engine": "transformers, with kvlib's re-implementations",
+        "machine": "test, 2 CPUs, no GPU",
+        "model": model,
+        "date": "2031-01-03",
+        "settings": {"segments": 4},
+        "rows": {
+            "dynamic-fp32": {"perplexity_delta_pct_mean": 0.0, "bits_per_value_at_4096": 32.0},
+            "turboquant-k8v4": {
+                "perplexity_delta_pct_mean": k8v4,
+                "bits_per_value_at_4096": 7.55,
+            },
+            "turboquant-4bit-nc": {"perplexity_delta_pct_mean": 0.9},  # no bits: left out
+        },
+    }
+
+
+def test_vllm_reasons_cite_turboquant_from_the_closest_model_but_do_not_set_it():
+    """vLLM's why line names the TurboQuant dtypes' cost in kvlib's re-implementation, from the
+    measured model closest in build and citing it, says why the plan does not set them, and
+    says nothing of them without the run."""
+    from kvlib.plan.planner import recommend
+
+    runs = {
+        "turboquant": _turboquant_run("TinyTest-1M", 0.15),
+        "turboquant/gemma-3-270m": _turboquant_run("GemmaTest", 0.61),
+    }
+    data = {"schema_version": 1, "runs": runs}
+
+    def vllm_line(model: str, results) -> str:
+        plan = recommend(model, 80, 32768, 8, results=results)
+        assert plan.engine == "vllm" and plan.kv in ("fp16", "fp8")
+        (line,) = [r for r in plan.reasons if "a serving engine (vLLM)" in r]
+        return line
+
+    llama = vllm_line("llama-3.1-8b", data)
+    assert (
+        "turboquant_k8v4 +0.15 % at 7.55 bits per value in perplexity (mean of 4 segments)" in llama
+    )
+    assert "on TinyTest-1M" in llama
+    assert "turboquant_4bit_nc +" not in llama  # a row without its bits is not cited
+    assert "not of vLLM's TURBOQUANT attention backend" in llama and "does not set them" in llama
+    gemma = vllm_line("gemma-2-9b", data)
+    assert "turboquant_k8v4 +0.61 %" in gemma and "on GemmaTest" in gemma
+    assert "re-implementation" not in vllm_line("llama-3.1-8b", {"schema_version": 1, "runs": {}})

@@ -151,7 +151,12 @@ def _why_engine(d: Decision, results: Mapping[str, Any]) -> list[str]:
             "kernels that read its KV types directly, where transformers' generate() is a "
             "library call; its paged cache leaves room for more conversations"
         )
-        out = [served + "; the plan keeps its KV cache at auto or fp8, " + _vllm_unmeasured()]
+        out = [
+            served
+            + "; the plan keeps its KV cache at auto or fp8, "
+            + _vllm_unmeasured()
+            + _turboquant_measured(results)
+        ]
     elif d.engine == "llama.cpp" and d.device == "cpu":
         out = ["CPU: llama.cpp (GGUF weights, KV cache types f16, q8_0, q4_0, flash attention)"]
     elif d.engine == "llama.cpp":
@@ -313,13 +318,43 @@ def _vllm_unmeasured() -> str:
     version = engine_support.source("vllm").split(":")[0].split()[-1]
     return (
         f"the measured ones: vLLM {version} also accepts {', '.join(others)} on GPUs "
-        "(kvlib.plan.engine_support), none measured here"
+        "(kvlib.plan.engine_support), none run in vLLM here"
         + (
             f"; its CPU build runs {', '.join(checked)} but computes them wrongly"
             if checked
             else ""
         )
         + (f"; {', '.join(unchecked)} were not run here (they need a GPU)" if unchecked else "")
+    )
+
+
+def _turboquant_measured(results: Mapping[str, Any]) -> str:
+    """vLLM's TurboQuant dtypes as kvlib's re-implementation of their layout measured them (run
+    ``"turboquant"`` of the model closest in build, :func:`kvlib.results.for_model`): each
+    dtype's mean perplexity cost and bits per value, cited with model, engine and device, and
+    why that does not make them the plan's choice; ``""`` without the run."""
+    tq = kvresults.run("turboquant", results)
+    rows = tq.get("rows", {})
+    if not isinstance(rows, Mapping):
+        return ""
+    figures = []
+    for dtype in engine_support.vllm_kv_dtypes():
+        row = rows.get(dtype.replace("_", "-"))  # the registry's name of vLLM's layout
+        if not dtype.startswith("turboquant") or not isinstance(row, Mapping):
+            continue
+        delta, bits = row.get("perplexity_delta_pct_mean"), row.get("bits_per_value_at_4096")
+        if isinstance(delta, int | float) and isinstance(bits, int | float):
+            figures.append(f"{dtype} {delta:+.2f} % at {bits:.2f} bits per value")
+    if not figures:
+        return ""
+    segments = tq.get("settings", {}).get("segments")
+    mean = f" (mean of {segments} segments)" if isinstance(segments, int) else ""
+    return (
+        "; kvlib's re-implementation of the TurboQuant layouts (notebook 05) costs "
+        + ", ".join(figures)
+        + f" in perplexity{mean}, {kvresults.citation(tq)}: a measure of the codecs, not of "
+        "vLLM's TURBOQUANT attention backend (CUDA), whose speed and output were not checked "
+        "here, so the plan does not set them"
     )
 
 
