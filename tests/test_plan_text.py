@@ -319,3 +319,18 @@ def test_vllm_reasons_cite_turboquant_from_the_closest_model_but_do_not_set_it()
     gemma = vllm_line("gemma-2-9b", data)
     assert "turboquant_k8v4 +0.61 %" in gemma and "on GemmaTest" in gemma
     assert "re-implementation" not in vllm_line("llama-3.1-8b", {"schema_version": 1, "runs": {}})
+
+
+def test_an_mla_plan_over_several_gpus_names_data_parallel_attention():
+    """DeepSeek-V3 split over 8 GPUs: the plan is priced with the latent replicated (tensor
+    parallelism) and says so, naming vLLM's data-parallel attention flags; a GQA model split
+    the same way gets no such line."""
+    from kvlib.plan.planner import recommend
+
+    ds = recommend("deepseek-v3", 141, 131072, 8, weight_bits=8, num_gpus=8, results={})
+    assert ds.engine == "vllm" and ds.to_vllm()["tensor_parallel_size"] == 8
+    (line,) = [w for w in ds.watch if w.startswith("MLA latent cache")]
+    assert "--data-parallel-size 8 in place of --tensor-parallel-size 8" in line
+    assert "read this plan as the tensor-parallel one" in line
+    llama = recommend("llama-3.1-70b", 80, 32768, 16, num_gpus=2, results={})
+    assert not any("data-parallel" in w for w in llama.watch)

@@ -433,8 +433,13 @@ def watch(d: Decision, results: Mapping[str, Any]) -> tuple[str, ...]:
         )
     if spec.is_mla and tp > 1:
         out.append(
-            "MLA latent cache is replicated on every GPU under tensor parallelism (vLLM); "
-            "data-parallel attention avoids that"
+            "MLA latent cache is replicated on every GPU under tensor parallelism (vLLM), and "
+            "this plan prices it so: each GPU holds every sequence's latent. vLLM's "
+            f"data-parallel attention (--data-parallel-size {tp} in place of "
+            f"--tensor-parallel-size {tp}, with --enable-expert-parallel for a mixture of "
+            "experts) keeps each sequence's latent on one GPU, so the same GPUs hold more "
+            "sequences; the planner does not model that layout (its weights split "
+            "differently), so read this plan as the tensor-parallel one"
         )
     if tp > spec.num_kv_heads and not spec.is_mla:
         out.append(f"tensor parallel {tp} > {spec.num_kv_heads} KV heads: KV heads are replicated")
