@@ -3,8 +3,9 @@
 The filler is Python's documentation from :mod:`kvlib.data`'s corpus; the prompt states the task
 before the text and asks for the key after it, ending with the start of the answer. An
 instruction-tuned model gets it through its chat template; a base model, whose tokenizer has
-none (Gemma 3 270M's GGUF carries no template), gets the same words as plain text. :func:`make_trial` builds one such prompt (a :class:`Trial`); ``n_keys > 1`` gives the
-multi-key variant, several keys for different named doors, one of them asked.
+none (Gemma 3 270M's GGUF carries no template), gets the same words as plain text.
+:func:`make_trial` builds one such prompt (a :class:`Trial`); ``n_keys > 1`` gives the multi-key
+variant, several keys for different named doors, one of them asked.
 :mod:`kvlib.eval.retrieval` runs and scores many of them.
 """
 

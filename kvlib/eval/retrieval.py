@@ -328,9 +328,10 @@ def compare_retrieval(
     values and queries are the same for every cache. They are computed once, with a
     DynamicCache that stores every layer in full (on a model with sliding-window layers too:
     their prefill pass sees the whole prompt under the sliding mask, and a cache filled with it
-    keeps its window, as it would after its own prefill); each cache is then filled from them layer by layer (an eviction cache gets
-    each layer's queries first, :func:`kvlib.caches.eviction.cache.recorded_queries`) and decodes its
-    answer greedily on its own. A cache that returns anything else from its prefill is
+    keeps its window, as it would after its own prefill); each cache is then filled from them
+    layer by layer (an eviction cache gets each layer's queries first,
+    :func:`kvlib.caches.eviction.cache.recorded_queries`) and decodes its answer greedily on its
+    own. A cache that returns anything else from its prefill is
     refused with a ``ValueError``, so the shortcut never changes a result (tests check it
     against :func:`evaluate_retrieval`). Decoding stops as soon as the answer's first number is
     complete (a non-digit follows it), which is all a trial is scored on, so ``output`` may be
