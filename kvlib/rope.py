@@ -28,12 +28,6 @@ __all__ = [
 ]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``(..., d)`` → ``(..., d)``: ``[-x2, x1]`` for halves ``x1, x2`` of the last axis."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rotation_table(
     inv_freq: torch.Tensor, positions: torch.Tensor, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,17 +51,58 @@ def rotate_by(
     attention_scaling: float = 1.0,
     *,
     inverse: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Keys ``(batch, kv_heads, seq_len, head_dim)`` rotated by a :func:`rotation_table` of their
     positions (``cos``/``sin`` ``(seq_len, rot_dim)``): :func:`apply_rope` (or, with
-    ``inverse``, :func:`undo_rope`) without recomputing the angles. Same shape and dtype."""
+    ``inverse``, :func:`undo_rope`) without recomputing the angles.
+
+    The model's ``k·cos + rotate_half(k)·sin`` is computed half by half (``rotate_half(k)`` is
+    ``[-k2, k1]``): the same floats, without building ``rotate_half(k)``. A cache that
+    re-applies RoPE to its whole past at every step (:mod:`kvlib.caches.kvquant`) writes the
+    result straight into the tensor attention reads, through ``out``.
+
+    Args:
+        out: where to write the result, of the keys' shape (any strides, e.g. a slice of a
+            larger buffer); a new tensor of the keys' dtype when ``None``.
+
+    Returns:
+        The rotated keys (``out`` when given), the keys' shape.
+    """
     rot = cos.shape[-1]
+    half = rot // 2
+    if out is None:
+        out = torch.empty_like(keys)
+    elif out.shape != keys.shape:
+        raise ValueError(
+            f"out must have the keys' shape {tuple(keys.shape)} (got {tuple(out.shape)})"
+        )
     k = keys[..., :rot].to(torch.float32)
-    if inverse:
-        out = (k * cos - _rotate_half(k) * sin) / attention_scaling
-    else:
-        out = (k * cos + _rotate_half(k) * sin) * attention_scaling
-    return torch.cat([out.to(keys.dtype), keys[..., rot:]], dim=-1)
+    k1, k2 = k[..., :half], k[..., half:]
+    c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+    direct = out.dtype == torch.float32
+    first = out[..., :half] if direct else torch.empty_like(k1)
+    second = out[..., half:rot] if direct else torch.empty_like(k2)
+    torch.mul(k1, c1, out=first)
+    torch.mul(k2, c2, out=second)
+    if inverse:  # k·cos - rotate_half(k)·sin, then / scaling
+        first.add_(k2 * s1)
+        second.sub_(k1 * s2)
+        if attention_scaling != 1.0:
+            first.div_(attention_scaling)
+            second.div_(attention_scaling)
+    else:  # k·cos + rotate_half(k)·sin, then · scaling
+        first.sub_(k2 * s1)
+        second.add_(k1 * s2)
+        if attention_scaling != 1.0:
+            first.mul_(attention_scaling)
+            second.mul_(attention_scaling)
+    if not direct:
+        out[..., :half].copy_(first)
+        out[..., half:rot].copy_(second)
+    if rot < keys.shape[-1]:
+        out[..., rot:].copy_(keys[..., rot:])
+    return out
 
 
 def _check_rope_args(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:

@@ -92,3 +92,26 @@ def test_row_indices_and_check_states_directly():
     assert row_indices([True, False, True], torch.device("cpu")).tolist() == [0, 2]
     assert row_indices([2, 2, 0], torch.device("cpu")).dtype == torch.int64
     check_states(torch.zeros(1, 1, 0, 4), torch.zeros(1, 1, 0, 4))  # an empty chunk is fine
+
+
+CODED = ("turboquant", "turboquant-window", "kvquant")
+
+
+@pytest.mark.parametrize("kind", CODED)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_model_reads_the_float32_past_rounded_once(kind, dtype):
+    """The coded layers write each part of what attention reads straight into one tensor of
+    the model's dtype. A float32 model and a half-precision one store the same float16 tokens
+    (states exact in ``dtype``), so the half-precision model must read the float32 model's past
+    rounded once to its dtype: decoded in float32, then cast, never computed in half
+    precision."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 1, 2, 70, 32, generator=gen) * 3).to(dtype).float()
+    wide, narrow = _filled(LAYERS[kind], k, v), _filled(LAYERS[kind], k.to(dtype), v.to(dtype))
+    probe = torch.randn(1, 2, 1, 32, generator=gen).to(dtype)
+    want_k, want_v = wide.update(probe.float(), probe.float())
+    got_k, got_v = narrow.update(probe, probe)
+    assert got_k.dtype == got_v.dtype == dtype and got_k.shape == want_k.shape
+    assert torch.equal(got_k, want_k.to(dtype)) and torch.equal(got_v, want_v.to(dtype))
+    wide_k, _ = wide.dequantized()
+    assert torch.equal(narrow.dequantized()[0], wide_k.to(dtype))

@@ -368,3 +368,19 @@ def test_generate_runs_through_every_registry_entry_and_follows_at_4_bits(model,
     assert isinstance(cache.layers[0].codes, type(None))
     compat.generate(model, ids, cache, max_new_tokens=2, do_sample=False)
     assert isinstance(cache.layers[0].codes, SparseBlocks)
+
+
+@pytest.mark.parametrize("nuq", [True, False])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_decode_block_writes_into_a_slice_what_it_returns(nuq, axis):
+    x = _keys(1, 2, 64, 32, seed=5)
+    first, second = (encode_block(x[:, :, s : s + 32], 3, axis, nuq=nuq) for s in (0, 32))
+    enc = first.cat(second)
+    want = decode_block(enc)
+    big = torch.full((1, 2, 70, 32), float("nan"))
+    assert decode_block(enc, out=big[:, :, 3:67]).data_ptr() == big[:, :, 3:67].data_ptr()
+    assert torch.equal(big[:, :, 3:67], want) and big[:, :, :3].isnan().all()
+    half = torch.empty(1, 2, 64, 32, dtype=torch.float16)
+    assert torch.equal(decode_block(enc, out=half), want.half())
+    with pytest.raises(ValueError, match="out must be a tensor of shape"):
+        decode_block(enc, out=torch.empty(1, 2, 63, 32))

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kvlib.rope import apply_rope, rope_parameters, undo_rope
+from kvlib.rope import apply_rope, rope_parameters, rotate_by, rotation_table, undo_rope
 
 
 def _tiny_llama_config(**kw) -> LlamaConfig:
@@ -66,3 +66,39 @@ def test_bad_rope_arguments() -> None:
         apply_rope(torch.randn(1, 1, 4, 8), torch.arange(4), torch.ones(5))
     with pytest.raises(ValueError, match="attention_scaling"):
         undo_rope(torch.randn(1, 1, 4, 8), torch.arange(4), torch.ones(4), 0.0)
+
+
+def _textbook(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s: float, inverse: bool):
+    """``k·cos ± rotate_half(k)·sin`` with ``rotate_half`` built by ``torch.cat``, as
+    transformers writes it, on the first ``rot`` channels; the rest pass through."""
+    rot = cos.shape[-1]
+    k = keys[..., :rot].float()
+    half = torch.cat((-k[..., rot // 2 :], k[..., : rot // 2]), dim=-1)
+    out = (k * cos - half * sin) / s if inverse else (k * cos + half * sin) * s
+    return torch.cat([out.to(keys.dtype), keys[..., rot:]], dim=-1)
+
+
+@pytest.mark.parametrize("rot", [64, 32])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("scaling", [1.0, 1.25])
+def test_rotate_by_gives_the_textbook_floats_into_any_output(rot, inverse, scaling) -> None:
+    g = torch.Generator().manual_seed(rot + 7 * inverse)
+    keys = torch.randn(2, 3, 40, 64, generator=g) * 4
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = rotation_table(inv, torch.arange(100, 140))
+    want = _textbook(keys, cos, sin, scaling, inverse)
+    assert torch.equal(rotate_by(keys, cos, sin, scaling, inverse=inverse), want)
+    big = torch.full((2, 3, 50, 64), float("nan"))  # a slice of a larger buffer
+    rotate_by(keys, cos, sin, scaling, inverse=inverse, out=big[:, :, 5:45])
+    assert torch.equal(big[:, :, 5:45], want)
+    assert big[:, :, :5].isnan().all() and big[:, :, 45:].isnan().all()
+    half = torch.empty(2, 3, 40, 64, dtype=torch.float16)
+    rotate_by(keys, cos, sin, scaling, inverse=inverse, out=half)
+    assert torch.equal(half, want.half())
+
+
+def test_rotate_by_refuses_an_output_of_another_shape() -> None:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    cos, sin = rotation_table(inv, torch.arange(10))
+    with pytest.raises(ValueError, match="out must have the keys' shape"):
+        rotate_by(torch.randn(1, 1, 10, 64), cos, sin, out=torch.empty(1, 1, 9, 64))

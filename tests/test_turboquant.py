@@ -403,3 +403,19 @@ def test_generate_runs_and_follows_the_full_precision_cache(model, config):
     assert torch.equal(fine.sequences, ref.sequences)
     for a, b in zip(fine.logits, ref.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0.05 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("key_bits", [3, 8])
+def test_decode_writes_into_a_slice_what_it_returns(key_bits):
+    q = TurboQuantizer(HEAD_DIM, key_bits, 4)
+    x = _anisotropic(2 * 40, HEAD_DIM, seed=3).view(1, 2, 40, HEAD_DIM)
+    keys, values = q.encode_keys(x), q.encode_values(x)
+    for decode, enc in ((q.decode_keys, keys), (q.decode_values, values)):
+        want = decode(enc)
+        big = torch.full((1, 2, 45, HEAD_DIM), float("nan"))
+        decode(enc, out=big[:, :, 2:42])
+        assert torch.equal(big[:, :, 2:42], want) and big[:, :, :2].isnan().all()
+        half = torch.empty(1, 2, 40, HEAD_DIM, dtype=torch.float16)
+        assert torch.equal(decode(enc, out=half), want.half())
+    with pytest.raises(ValueError, match="out must be a tensor of shape"):
+        q.decode_keys(keys, out=torch.empty(1, 2, 39, HEAD_DIM))

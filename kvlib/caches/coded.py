@@ -27,17 +27,22 @@ __all__ = ["Codec", "CodedLayer"]
 class Codec(Protocol):
     """What :class:`CodedLayer` needs of a codec: encode ``(batch, kv_heads, m, head_dim)``
     keys or values into an object with ``cat(other, dim)``, ``index_select(dim, index)``,
-    ``to(device)`` and ``nbytes``, and decode it back."""
+    ``to(device)`` and ``nbytes``, and decode it back, into a new tensor or into ``out`` (a
+    slice of the tensor attention reads, whose dtype wins)."""
 
     head_dim: int
 
     def encode_keys(self, keys: torch.Tensor) -> Any: ...
 
-    def decode_keys(self, enc: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+    def decode_keys(
+        self, enc: Any, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def encode_values(self, values: torch.Tensor) -> Any: ...
 
-    def decode_values(self, enc: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+    def decode_values(
+        self, enc: Any, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 class CodedLayer(WholeSequence, BatchRows, CacheLayerMixin):
@@ -55,8 +60,12 @@ class CodedLayer(WholeSequence, BatchRows, CacheLayerMixin):
     every token in the storage dtype.
 
     Subclasses may transform keys around the codec: :meth:`_prepare_keys` before encoding a
-    block, :meth:`_restore_keys` after decoding; tensors they keep go in :attr:`extra_tensors`
-    (moved, selected and counted with the rest).
+    block, :meth:`_decode_keys_into` to decode and undo it; tensors they keep go in
+    :attr:`extra_tensors` (moved, selected and counted with the rest).
+
+    A read allocates the tensor attention reads once and writes every part into its slice
+    (sinks, decoded tokens, window, new states), as kvlib's KIVI cache does: no part is built
+    and then copied again.
 
     Args:
         quantizer: the codec (:class:`Codec`), or ``None``.
@@ -128,10 +137,11 @@ class CodedLayer(WholeSequence, BatchRows, CacheLayerMixin):
         start + m - 1`` as the codec should see them (default: unchanged)."""
         return keys
 
-    def _restore_keys(self, keys: torch.Tensor, start: int) -> torch.Tensor:
-        """Inverse of :meth:`_prepare_keys` on the decoded float32 keys ``(batch, kv_heads, n,
-        head_dim)`` of positions ``start ..`` (default: unchanged)."""
-        return keys
+    def _decode_keys_into(self, dst: torch.Tensor) -> None:
+        """Write the encoded tokens' keys as attention reads them into ``dst`` ``(batch,
+        kv_heads, n, head_dim)`` (a slice of the output): the codec's decode, then the inverse
+        of :meth:`_prepare_keys` (default: the decode alone)."""
+        self.quantizer.decode_keys(self.codes, out=dst)
 
     # ------------------------------------------------------------------ write
 
@@ -177,20 +187,37 @@ class CodedLayer(WholeSequence, BatchRows, CacheLayerMixin):
 
     # ------------------------------------------------------------------ read
 
+    def _read(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached past followed by the new states ``(batch, kv_heads, q, head_dim)``, each
+        ``(batch, kv_heads, T + q, head_dim)`` in the new states' dtype, written part by part
+        into one tensor."""
+        s, n, r = self.sink_keys.shape[2], self.encoded_tokens, self.window_keys.shape[2]
+        q = key_states.shape[2]
+        shape = (self.batch_size, self.num_heads, s + n + r + q, self.head_dim)
+        keys, values = key_states.new_empty(shape), value_states.new_empty(shape)
+        keys[:, :, :s].copy_(self.sink_keys)
+        values[:, :, :s].copy_(self.sink_values)
+        if self.codes is not None:
+            self._decode_keys_into(keys[:, :, s : s + n])
+            self.quantizer.decode_values(self.quantized_values, out=values[:, :, s : s + n])
+        keys[:, :, s + n : s + n + r].copy_(self.window_keys)
+        values[:, :, s + n : s + n + r].copy_(self.window_values)
+        keys[:, :, s + n + r :].copy_(key_states)
+        values[:, :, s + n + r :].copy_(value_states)
+        return keys, values
+
     def dequantized(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached tokens as attention reads them, keys and values ``(batch, kv_heads, T,
         head_dim)`` in ``dtype`` (default: the model's)."""
         if not self.is_initialized:
             raise ValueError("the layer holds no tokens yet")
         dtype = self.dtype if dtype is None else dtype
-        keys, values = [self.sink_keys.to(dtype)], [self.sink_values.to(dtype)]
-        if self.codes is not None:
-            k = self.quantizer.decode_keys(self.codes, torch.float32)
-            keys.append(self._restore_keys(k, self.sink_tokens).to(dtype))
-            values.append(self.quantizer.decode_values(self.quantized_values, dtype))
-        keys.append(self.window_keys.to(dtype))
-        values.append(self.window_values.to(dtype))
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        empty = self.sink_keys.new_zeros(
+            (self.batch_size, self.num_heads, 0, self.head_dim), dtype=dtype
+        )
+        return self._read(empty, empty)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -207,9 +234,7 @@ class CodedLayer(WholeSequence, BatchRows, CacheLayerMixin):
         if self.cumulative_length == 0:
             keys, values = key_states, value_states
         else:
-            past_k, past_v = self.dequantized(key_states.dtype)
-            keys = torch.cat([past_k, key_states], dim=2)
-            values = torch.cat([past_v, value_states], dim=2)
+            keys, values = self._read(key_states, value_states)
         self._append(key_states, value_states)
         self.cumulative_length += key_states.shape[2]
         return keys, values

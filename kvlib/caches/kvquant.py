@@ -101,11 +101,13 @@ class KVQuantLayer(CodedLayer):
         cos, sin = self._table(start, keys.shape[2], keys.device)
         return rotate_by(keys.float(), cos, sin, self.attention_scaling, inverse=True)
 
-    def _restore_keys(self, keys: torch.Tensor, start: int) -> torch.Tensor:
+    def _decode_keys_into(self, dst: torch.Tensor) -> None:
         if self.inv_freq is None:
-            return keys
-        cos, sin = self._table(start, keys.shape[2], keys.device)
-        return rotate_by(keys, cos, sin, self.attention_scaling)
+            super()._decode_keys_into(dst)
+            return
+        keys = self.quantizer.decode_keys(self.codes, torch.float32)
+        cos, sin = self._table(self.sink_tokens, keys.shape[2], keys.device)
+        rotate_by(keys, cos, sin, self.attention_scaling, out=dst)
 
 
 class KVQuantCache(ByteCounts, Cache):

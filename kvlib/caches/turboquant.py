@@ -95,10 +95,19 @@ class TurboQuantLayer(CodedLayer):
         self.key_means = mean if self.key_means is None else torch.cat([self.key_means, mean], 2)
         return keys.float() - mean.float()
 
-    def _restore_keys(self, keys: torch.Tensor, start: int) -> torch.Tensor:
+    def _decode_keys_into(self, dst: torch.Tensor) -> None:
         if self.key_means is None:
-            return keys
-        return keys + self.key_means.float().repeat_interleave(self.residual_length, dim=2)
+            super()._decode_keys_into(dst)
+            return
+        keys = self.quantizer.decode_keys(self.codes, torch.float32)
+        b, h, n, d = keys.shape
+        r = self.residual_length
+        blocks = keys.view(b, h, n // r, r, d)
+        means = self.key_means.float().unsqueeze(3)  # (batch, kv_heads, n // r, 1, head_dim)
+        if dst.dtype == torch.float32:
+            torch.add(blocks, means, out=dst.view(b, h, n // r, r, d))
+        else:
+            dst.copy_((blocks + means).view(b, h, n, d))
 
 
 class TurboQuantCache(ByteCounts, Cache):

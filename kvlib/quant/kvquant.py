@@ -230,10 +230,22 @@ def encode_block(
     )
 
 
-def decode_block(enc: SparseBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """States ``enc.shape`` ``(batch, kv_heads, n * block, head_dim)`` in ``dtype``."""
+def decode_block(
+    enc: SparseBlocks, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """States ``enc.shape`` ``(batch, kv_heads, n * block, head_dim)`` in ``dtype``.
+
+    Args:
+        out: where to write them, of ``enc.shape`` (any strides along the sequence, e.g. a slice
+            of the tensor attention reads); its dtype wins over ``dtype``.
+
+    Returns:
+        The states (``out`` when given).
+    """
     if not isinstance(enc, SparseBlocks):
         raise TypeError(f"enc must be SparseBlocks (got {type(enc).__name__})")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != enc.shape):
+        raise ValueError(f"out must be a tensor of shape {tuple(enc.shape)}")
     b, h, n, _ = enc.codes.shape
     t, d = enc.block, enc.head_dim
     codes = unpack(enc.codes.reshape(-1), enc.bits, b * h * n * t * d).view(b, h, n, t * d)
@@ -243,8 +255,17 @@ def decode_block(enc: SparseBlocks, dtype: torch.dtype = torch.float32) -> torch
         u = enc.levels.float().gather(-1, codes.long())
     reduce = 3 if enc.axis == "channel" else 4
     lo = enc.low.float().unsqueeze(reduce)
-    x = torch.addcmul(lo, enc.high.float().unsqueeze(reduce) - lo, u.view(b, h, n, t, d))
-    x = x.view(b, h, n, t * d).scatter_(-1, enc.outlier_index.long(), enc.outlier_values.float())
+    span = enc.high.float().unsqueeze(reduce) - lo
+    # A float32 ``out`` is written in place (one pass, no copy); ``(n * block)`` splits into
+    # ``(n, block)`` and ``(block, head_dim)`` merges even in a slice along the sequence.
+    direct = out is not None and out.dtype == torch.float32
+    x = out.view(b, h, n, t, d) if direct else torch.empty(b, h, n, t, d, device=u.device)
+    torch.addcmul(lo, span, u.view(b, h, n, t, d), out=x)
+    x.view(b, h, n, t * d).scatter_(-1, enc.outlier_index.long(), enc.outlier_values.float())
+    if direct:
+        return out
+    if out is not None:
+        return out.copy_(x.view(b, h, n * t, d))
     return x.view(b, h, n * t, d).to(dtype)
 
 
@@ -335,18 +356,32 @@ class KVQuantizer:
         keys = self._check(keys, "keys")
         return encode_block(keys, self.key_bits, "channel", self.outlier_fraction, self.nuq)
 
-    def decode_keys(self, enc: SparseBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Keys ``(batch, kv_heads, n * T, head_dim)`` in ``dtype``."""
-        return decode_block(enc, dtype)
+    def decode_keys(
+        self,
+        enc: SparseBlocks,
+        dtype: torch.dtype = torch.float32,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Keys ``(batch, kv_heads, n * T, head_dim)`` in ``dtype``, or written into ``out``
+        (:func:`decode_block`)."""
+        return decode_block(enc, dtype, out=out)
 
     def encode_values(self, values: torch.Tensor) -> SparseBlocks:
         """One block of values ``(batch, kv_heads, T, head_dim)``, per token."""
         values = self._check(values, "values")
         return encode_block(values, self.value_bits, "token", self.outlier_fraction, self.nuq)
 
-    def decode_values(self, enc: SparseBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Values ``(batch, kv_heads, n * T, head_dim)`` in ``dtype``."""
-        return decode_block(enc, dtype)
+    def decode_values(
+        self,
+        enc: SparseBlocks,
+        dtype: torch.dtype = torch.float32,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Values ``(batch, kv_heads, n * T, head_dim)`` in ``dtype``, or written into ``out``
+        (:func:`decode_block`)."""
+        return decode_block(enc, dtype, out=out)
 
     def block_nbytes(self, tokens: int) -> int:
         """Bytes one block of ``tokens`` tokens takes in one KV head, keys and values."""

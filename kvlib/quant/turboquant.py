@@ -240,20 +240,41 @@ class TurboQuantizer:
         packed = pack_uint8(codes.contiguous(), self.key_bits).view(*keys.shape[:-1], per)
         return EncodedKeys(packed, norms.squeeze(-1).half(), self.key_bits, keys.shape)
 
-    def decode_keys(self, enc: EncodedKeys, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def decode_keys(
+        self,
+        enc: EncodedKeys,
+        dtype: torch.dtype = torch.float32,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Keys ``enc.shape`` in ``dtype``: levels looked up, renormalised (norm correction),
-        rotated back and scaled by the stored norm."""
+        rotated back and scaled by the stored norm.
+
+        Args:
+            out: where to write them, of ``enc.shape`` (any strides, e.g. a slice of the tensor
+                attention reads); its dtype wins over ``dtype``.
+
+        Returns:
+            The keys (``out`` when given).
+        """
         if not isinstance(enc, EncodedKeys) or enc.bits != self.key_bits:
             raise TypeError(f"enc must be EncodedKeys of {self.key_bits} bits")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != enc.shape):
+            raise ValueError(f"out must be a tensor of shape {tuple(enc.shape)}")
         if self.key_bits == 8:
-            return enc.codes.to(dtype)
+            return enc.codes.to(dtype) if out is None else out.copy_(enc.codes)
         n = math.prod(enc.shape)
         codes = unpack(enc.codes.reshape(-1), self.key_bits, n).view(enc.shape)
-        y = self.codebook.decode(codes) * self._unit
+        # The levels scaled once (the same floats as scaling every looked-up level).
+        levels = self.codebook.levels.to(device=codes.device, dtype=torch.float32) * self._unit
+        y = levels.index_select(0, codes.reshape(-1).long()).view(codes.shape)
         if self.norm_correction:
             y = y / y.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-        x = unrotate(y, self.rotation) * enc.norms.float().unsqueeze(-1)
-        return x.to(dtype)
+        norms = enc.norms.float().unsqueeze(-1)
+        if out is not None and out.dtype == torch.float32:  # scaled straight into `out`
+            return torch.mul(unrotate(y, self.rotation), norms, out=out)
+        x = unrotate(y, self.rotation) * norms
+        return x.to(dtype) if out is None else out.copy_(x)
 
     # ------------------------------------------------------------------ values
 
@@ -264,9 +285,20 @@ class TurboQuantizer:
         q = quantize(values.contiguous(), self.value_bits, axis=-1)
         return q.with_rows(values.dim() - 1)
 
-    def decode_values(self, q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Values back, in ``dtype``."""
-        return q.dequantize(dtype)
+    def decode_values(
+        self,
+        q: QuantizedTensor,
+        dtype: torch.dtype = torch.float32,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Values back, in ``dtype``, or written into ``out`` (of the values' shape, any
+        strides; its dtype wins over ``dtype``)."""
+        if out is None:
+            return q.dequantize(dtype)
+        if out.dtype == torch.float32:  # computed in place, as dequantize() computes it
+            return q.dequantize_into(out)
+        return out.copy_(q.dequantize(out.dtype))
 
     # ------------------------------------------------------------------ bytes
 
