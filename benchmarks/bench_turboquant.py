@@ -61,7 +61,7 @@ CACHES = (
 #: (vLLM runs its TurboQuant dtypes on GPUs only).
 ENGINE = "transformers, with kvlib's re-implementations of vLLM's TurboQuant layout and of KVQuant"
 CONTEXT = 4096  # tokens at which bytes and the decode step are measured
-STEP_ROUNDS = 5  # rounds of decode-step timings, every cache once per round
+STEP_ROUNDS = 5  # rounds of decode-step timings: kvlib-int4 then each cache, per round
 CHUNK = 64
 
 
@@ -85,12 +85,12 @@ def decode_steps(
 ) -> dict[str, dict[str, Any]]:
     """One decode step at :data:`CONTEXT` tokens (every layer's ``update`` for one token:
     reading the past back and storing the new token) for every cache, as a ratio to
-    kvlib-int4's measured in the same round.
+    kvlib-int4's measured just before it.
 
-    Every cache is filled once; then each of ``rounds`` rounds times every cache in turn
-    (median of ``blocked_autorange``), so that kvlib-int4's step is measured minutes, not
-    half an hour, from each cache's. A shared machine's load moves single timings by up to a
-    third; the ratio is the median over rounds, with its range.
+    Every cache is filled once; then each of ``rounds`` rounds times, for every cache in turn,
+    kvlib-int4's step and then the cache's (median of ``blocked_autorange`` each), so that the
+    two steps of a ratio are timed seconds apart. A shared machine's load moves single timings
+    by half and more; the ratio is the median over rounds, with its range.
 
     Returns:
         ``{name: {"step_s", "decode_step_vs_kvlib_int4", "decode_step_vs_kvlib_int4_range"}}``.
@@ -111,12 +111,16 @@ def decode_steps(
 
     steps = {name: stepper(fill(f(), config, CONTEXT, 256)) for name, f in factories.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
+    base: dict[str, list[float]] = {name: [] for name in steps}
     for _ in tqdm(range(rounds), desc="decode steps", disable=None):
         for name, step in steps.items():
+            base[name].append(median_seconds(steps["kvlib-int4"], min_run_time=0.2)[0])
             times[name].append(median_seconds(step, min_run_time=0.2)[0])
     out = {}
     for name, ts in times.items():
-        ratios = [t / base for t, base in zip(ts, times["kvlib-int4"], strict=True)]
+        ratios = [t / b for t, b in zip(ts, base[name], strict=True)]
+        if name == "kvlib-int4":  # timed against itself: the ratio of two timings of one step
+            ratios = [1.0] * len(ts)
         out[name] = {
             "step_s": statistics.median(ts),
             "decode_step_vs_kvlib_int4": statistics.median(ratios),
@@ -210,8 +214,9 @@ def step_protocol() -> str:
     """How the decode steps were timed, for the results file."""
     return (
         f"one decode step at {CONTEXT} tokens, every cache filled once, then {STEP_ROUNDS} "
-        "rounds timing every cache in turn (median of blocked_autorange, >= 0.2 s each); the "
-        "ratio to kvlib-int4 is the median over rounds of the ratio within a round"
+        "rounds timing, for every cache in turn, kvlib-int4's step and then the cache's (median "
+        "of blocked_autorange, >= 0.2 s each); the ratio to kvlib-int4 is the median over "
+        "rounds of the ratio of those two timings"
     )
 
 
