@@ -73,11 +73,21 @@ def log(line: str) -> None:
 
 def bits_and_store(factory: Callable[[], Any], config: Any) -> dict[str, float]:
     """Bits per value after :data:`CONTEXT` tokens, and the median cost of storing them, per
-    token (s)."""
+    token (s). On a model with sliding-window layers, also ``"bits_global"``: the bits per
+    value of its full-attention layers alone, where the codes decide the bytes (the quantized
+    caches keep the windows in float16)."""
     cache = fill(factory(), config, CONTEXT, 256)
-    bits = 16 * compat.cache_nbytes(cache) / cache_fp16(config)
+    out = {"bits": 16 * compat.cache_nbytes(cache) / cache_fp16(config)}
+    windows = compat.layer_windows(config, "bench_turboquant")
+    full = [i for i, window in enumerate(windows) if window is None]
+    if len(full) < len(windows):
+        if len(cache.layers) != len(windows):
+            raise ValueError(f"{type(cache).__name__} does not hold one layer per model layer")
+        _, _, heads, d = kv_geometry(config)
+        fp16 = len(full) * CONTEXT * 2 * heads * d * 2
+        out["bits_global"] = 16 * sum(compat.layer_nbytes(cache.layers[i]) for i in full) / fp16
     store_s, _ = median_seconds(lambda: fill(factory(), config, CONTEXT, 256), min_run_time=0.1)
-    return {"bits": bits, "store_s_per_token": store_s / CONTEXT}
+    return {**out, "store_s_per_token": store_s / CONTEXT}
 
 
 def decode_steps(
@@ -191,8 +201,12 @@ def cost_fields(r: dict[str, Any]) -> dict[str, Any]:
     """A row's costs as the results file keeps them (from :func:`bits_and_store` and
     :func:`decode_steps`)."""
     low, high = r["decode_step_vs_kvlib_int4_range"]
+    global_bits = {}
+    if "bits_global" in r:
+        global_bits = {"bits_per_value_global_layers_at_4096": round(r["bits_global"], 3)}
     return {
         "bits_per_value_at_4096": round(r["bits"], 3),
+        **global_bits,
         "decode_step_ms_at_4096": round(1e3 * r["step_s"], 2),
         "decode_step_vs_kvlib_int4": round(r["decode_step_vs_kvlib_int4"], 2),
         "decode_step_vs_kvlib_int4_range": [round(low, 2), round(high, 2)],
@@ -203,6 +217,7 @@ def cost_fields(r: dict[str, Any]) -> dict[str, Any]:
 #: Keys of a measured row that :func:`cost_fields` turns into the recorded ones.
 COST_KEYS = (
     "bits",
+    "bits_global",
     "step_s",
     "store_s_per_token",
     "decode_step_vs_kvlib_int4",

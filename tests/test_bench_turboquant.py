@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+from _tiny_models import gemma3_config
 from transformers import LlamaConfig
 
 import kvlib.models
@@ -117,3 +118,21 @@ def test_costs_only_without_a_recorded_run_says_so(
     with pytest.raises(SystemExit, match="no run 'turboquant'"):
         bench.main(["--costs-only", "--results", str(path)])
     assert "bench_turboquant" not in sys.modules
+
+
+def test_a_hybrid_model_also_gets_the_bits_of_its_global_layers(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma-like: 5 sliding layers (16-token windows) and one global layer, 1,024 tokens. The
+    global layer's bits are the cache's own there: fp32 holds 32, kvlib-int4 its codes plus a
+    float16 sink and window; the float16 windows raise the whole cache's figure. A
+    full-attention model gets no such field."""
+    monkeypatch.setattr(bench, "CONTEXT", 1024)
+    config = gemma3_config(window=16)
+    fp32 = bench.bits_and_store(registry.cache_factory("dynamic-fp32", config), config)
+    int4 = bench.bits_and_store(registry.cache_factory("kvlib-int4", config), config)
+    assert fp32["bits_global"] == pytest.approx(32.0)
+    assert 4 < int4["bits_global"] < 8 and int4["bits_global"] < int4["bits"]
+    llama = tiny_config()
+    int4_llama = bench.bits_and_store(registry.cache_factory("kvlib-int4", llama), llama)
+    assert "bits_global" not in int4_llama
