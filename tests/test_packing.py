@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.quant.packing import pack, packed_nbytes, unpack
+from kvlib.quant.packing import pack, packed_nbytes, unpack, unpack_by_shifts
 
 BITS = (2, 3, 4, 8)
 
@@ -88,3 +88,37 @@ def test_unpack_rejects_bad_input():
         unpack(torch.zeros(2, dtype=torch.int32), 4, 4)
     with pytest.raises(ValueError, match="non-negative"):
         unpack(torch.zeros(2, dtype=torch.uint8), 4, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from([2, 3, 4]),
+    data=st.binary(min_size=0, max_size=300),
+    cut=st.integers(0, 7),
+)
+def test_unpack_by_table_reads_any_bytes_as_the_shifts_do(bits, data, cut):
+    """unpack looks codes up in a table (2 or 4 at a time); the shifts and masks that spell the
+    layout out are the reference, on arbitrary bytes (every byte value, padding included) and a
+    code count that ends inside the last unit."""
+    unit = 3 if bits == 3 else 1
+    data = data[: len(data) // unit * unit]
+    packed = torch.tensor(list(data), dtype=torch.uint8)
+    every = unpack_by_shifts(packed, bits)
+    n = max(0, every.numel() - cut)
+    assert torch.equal(unpack(packed, bits, n), every[:n])
+    assert unpack(packed, bits, n).dtype == torch.uint8
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_unpack_every_table_entry(bits):
+    """Each index of the lookup table once: every byte (2 and 4 bits), every 24-bit word's
+    halves (3 bits) through all 4,096 values."""
+    if bits == 3:
+        halves = torch.arange(4096, dtype=torch.int32)
+        words = halves | (halves.flip(0) << 12)  # each half takes every value
+        packed = torch.stack([(words >> (8 * i)) & 0xFF for i in range(3)], 1).to(torch.uint8)
+    else:
+        packed = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    packed = packed.reshape(-1)
+    every = unpack_by_shifts(packed, bits)
+    assert torch.equal(unpack(packed, bits, every.numel()), every)

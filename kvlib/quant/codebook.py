@@ -91,7 +91,7 @@ class Codebook:
         """The levels of ``codes`` (any shape, integers ``0 .. 2**bits - 1``) in ``dtype``."""
         levels = self.levels.to(device=codes.device, dtype=dtype)
         # index_select on the flat codes: measured 4x faster on CPU than levels[codes]
-        return levels.index_select(0, codes.reshape(-1).long()).view(codes.shape)
+        return levels.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
 
 
 def _check_codebook_bits(bits: Any) -> int:

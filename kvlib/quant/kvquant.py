@@ -364,7 +364,8 @@ class KVQuantizer:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Keys ``(batch, kv_heads, n * T, head_dim)`` in ``dtype``, or written into ``out``
-        (:func:`decode_block`)."""
+        (:func:`decode_block`). Values decode the same way: :meth:`decode_values` is this
+        method."""
         return decode_block(enc, dtype, out=out)
 
     def encode_values(self, values: torch.Tensor) -> SparseBlocks:
@@ -372,16 +373,8 @@ class KVQuantizer:
         values = self._check(values, "values")
         return encode_block(values, self.value_bits, "token", self.outlier_fraction, self.nuq)
 
-    def decode_values(
-        self,
-        enc: SparseBlocks,
-        dtype: torch.dtype = torch.float32,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Values ``(batch, kv_heads, n * T, head_dim)`` in ``dtype``, or written into ``out``
-        (:func:`decode_block`)."""
-        return decode_block(enc, dtype, out=out)
+    #: Values ``(batch, kv_heads, n * T, head_dim)``: decoded as keys are (:func:`decode_block`).
+    decode_values = decode_keys
 
     def block_nbytes(self, tokens: int) -> int:
         """Bytes one block of ``tokens`` tokens takes in one KV head, keys and values."""

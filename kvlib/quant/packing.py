@@ -8,13 +8,15 @@ bytes ``n`` codes take, padding included. :mod:`kvlib.quant.tensor` stores its c
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 
 import torch
 
 from kvlib.validate import check_bits
 
-__all__ = ["pack", "pack_uint8", "packed_nbytes", "unpack"]
+__all__ = ["pack", "pack_uint8", "packed_nbytes", "unpack", "unpack_by_shifts"]
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -93,6 +95,47 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     p = p[:need]
     if bits == 8:
         return p
+    out = _unpack_by_table(p, bits) if sys.byteorder == "little" else unpack_by_shifts(p, bits)
+    return out if out.numel() == n else out[:n]
+
+
+@functools.lru_cache(maxsize=16)
+def _code_table(bits: int, device: str) -> torch.Tensor:
+    """What :func:`_unpack_by_table` looks up: for every packed index (a byte at 2 and 4 bits, a
+    12-bit half of a 3-byte word at 3 bits), the codes it holds, little-end first, as one
+    integer of as many bytes as codes (int16 for 2 codes, int32 for 4)."""
+    width = 12 if bits == 3 else 8
+    per = width // bits
+    index = torch.arange(1 << width, dtype=torch.int32)
+    codes = torch.stack([(index >> (bits * j)) & ((1 << bits) - 1) for j in range(per)], 1)
+    wide = torch.int16 if per == 2 else torch.int32
+    return codes.to(torch.uint8).contiguous().view(wide).view(-1).to(device)
+
+
+def _unpack_by_table(p: torch.Tensor, bits: int) -> torch.Tensor:
+    """Every code of whole packed units ``p`` (bytes; 3-byte words at 3 bits) by table lookup:
+    one ``index_select`` of 2 or 4 codes at a time, whose bytes are the codes in order. On CPU
+    this measured 2x faster than :func:`unpack_by_shifts` at 3 bits and 2.5x at 2 (4,096
+    tokens of SmolLM2's keys), level at 4."""
+    table = _code_table(bits, str(p.device))
+    if bits == 3:
+        words = p.numel() // 3
+        padded = p.new_zeros((words, 4))  # each 3-byte word as a little-endian int32
+        padded[:, :3] = p.view(words, 3)
+        w = padded.view(torch.int32).view(-1)
+        index = torch.empty((words, 2), dtype=torch.int32, device=p.device)
+        torch.bitwise_and(w, 0xFFF, out=index[:, 0])
+        torch.bitwise_right_shift(w, 12, out=index[:, 1])
+        index = index.view(-1)
+    else:
+        index = p.to(torch.int32)
+    return table.index_select(0, index).view(torch.uint8)
+
+
+def unpack_by_shifts(p: torch.Tensor, bits: int) -> torch.Tensor:
+    """Every code of whole packed units ``p`` by shifts and masks (2, 3 or 4 bits): the
+    readable form of the layout :func:`pack` writes, and :func:`unpack`'s path on a big-endian
+    machine, where the table's bytes would come out in the wrong order."""
     # Each code position is computed by a contiguous uint8 kernel, then one stack interleaves
     # them (measured faster on CPU than writing each position into a strided output column).
     if bits == 4:
@@ -112,6 +155,4 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
             (b2 >> 2) & 7,
             b2 >> 5,
         ]
-    out = torch.stack(parts, dim=1)
-    out = out.view(-1)
-    return out if out.numel() == n else out[:n]
+    return torch.stack(parts, dim=1).view(-1)

@@ -267,7 +267,7 @@ class TurboQuantizer:
         codes = unpack(enc.codes.reshape(-1), self.key_bits, n).view(enc.shape)
         # The levels scaled once (the same floats as scaling every looked-up level).
         levels = self.codebook.levels.to(device=codes.device, dtype=torch.float32) * self._unit
-        y = levels.index_select(0, codes.reshape(-1).long()).view(codes.shape)
+        y = levels.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
         if self.norm_correction:
             y = y / y.norm(dim=-1, keepdim=True).clamp(min=1e-12)
         norms = enc.norms.float().unsqueeze(-1)
