@@ -95,7 +95,8 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     p = p[:need]
     if bits == 8:
         return p
-    out = _unpack_by_table(p, bits) if sys.byteorder == "little" else unpack_by_shifts(p, bits)
+    table = bits != 4 and sys.byteorder == "little"
+    out = _unpack_by_table(p, bits) if table else unpack_by_shifts(p, bits)
     return out if out.numel() == n else out[:n]
 
 
@@ -116,7 +117,9 @@ def _unpack_by_table(p: torch.Tensor, bits: int) -> torch.Tensor:
     """Every code of whole packed units ``p`` (bytes; 3-byte words at 3 bits) by table lookup:
     one ``index_select`` of 2 or 4 codes at a time, whose bytes are the codes in order. On CPU
     this measured 2x faster than :func:`unpack_by_shifts` at 3 bits and 2.5x at 2 (4,096
-    tokens of SmolLM2's keys), level at 4."""
+    tokens of SmolLM2's keys, alone). At 4 bits it was level alone and 10-20 % slower inside
+    a cache's decode step (the int32 copy of every byte), so :func:`unpack` keeps the shifts
+    there."""
     table = _code_table(bits, str(p.device))
     if bits == 3:
         words = p.numel() // 3
@@ -134,8 +137,8 @@ def _unpack_by_table(p: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_by_shifts(p: torch.Tensor, bits: int) -> torch.Tensor:
     """Every code of whole packed units ``p`` by shifts and masks (2, 3 or 4 bits): the
-    readable form of the layout :func:`pack` writes, and :func:`unpack`'s path on a big-endian
-    machine, where the table's bytes would come out in the wrong order."""
+    readable form of the layout :func:`pack` writes, :func:`unpack`'s path at 4 bits, and its
+    path on a big-endian machine, where the table's bytes would come out in the wrong order."""
     # Each code position is computed by a contiguous uint8 kernel, then one stack interleaves
     # them (measured faster on CPU than writing each position into a strided output column).
     if bits == 4:
