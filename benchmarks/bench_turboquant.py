@@ -8,14 +8,14 @@ everything counted (codes, norms, scales, zero points, block means, sinks, windo
 layers) after 4096 tokens; pass-key retrieval at 1024 tokens (:mod:`kvlib.eval.retrieval`,
 Wilson 95 % interval); and the cost on this CPU of one decode step at 4096 tokens (every
 layer's ``update`` for one token: reading the past back and storing the new token), as a ratio
-to kvlib-int4's timed in the same round (:func:`decode_steps`), and of storing a 4096-token
+to kvlib-int4's timed just before it (:func:`decode_steps`), and of storing a 4096-token
 prompt, per token. Prints Markdown tables and
 writes run ``"turboquant"`` of ``kvlib/results.json`` (``"turboquant/<model>"`` for another
 model), rows keyed by :mod:`kvlib.caches.registry` names.
 
     .venv/bin/python benchmarks/bench_turboquant.py               # ~40 minutes on 2 cores
     .venv/bin/python benchmarks/bench_turboquant.py --segments 2 --trials 2 --no-json
-    .venv/bin/python benchmarks/bench_turboquant.py --costs-only  # re-time the costs, ~5 min
+    .venv/bin/python benchmarks/bench_turboquant.py --costs-only  # re-time the costs, ~12 minutes
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 These are transformers' own: the defaults of ``transformers.cache_utils.QuantizedLayer.__init__``
 (``q_group_size``, ``residual_length``, ``axis_key``, ``axis_value``), kept here so that the
 registry's table (:mod:`kvlib.caches.entries`) needs no transformers.
-``tests/test_cache_registry.py`` reads the signature and checks that they still agree, so a transformers upgrade that changes
-them fails there.
+``tests/test_cache_registry.py`` reads the signature and checks that they still agree, so a
+transformers upgrade that changes them fails there.
 """
 
 from __future__ import annotations

@@ -87,9 +87,14 @@ class Codebook:
         b = self.boundaries.to(device=x.device, dtype=torch.float32)
         return torch.bucketize(x.float(), b, right=True).to(torch.uint8)
 
-    def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The levels of ``codes`` (any shape, integers ``0 .. 2**bits - 1``) in ``dtype``."""
+    def decode(
+        self, codes: torch.Tensor, dtype: torch.dtype = torch.float32, scale: float = 1.0
+    ) -> torch.Tensor:
+        """The levels of ``codes`` (any shape, integers ``0 .. 2**bits - 1``) in ``dtype``, each
+        times ``scale`` (the levels are scaled once, before the lookup: the same floats)."""
         levels = self.levels.to(device=codes.device, dtype=dtype)
+        if scale != 1.0:
+            levels = levels * scale
         # index_select on the flat codes: measured 4x faster on CPU than levels[codes]
         return levels.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
 

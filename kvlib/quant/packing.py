@@ -102,20 +102,17 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _code_table(bits: int, device: str) -> torch.Tensor:
-    """What :func:`_unpack_by_table` looks up: for every packed index (a byte at 2 and 4 bits, a
-    12-bit half of a 3-byte word at 3 bits), the codes it holds, little-end first, as one
-    integer of as many bytes as codes (int16 for 2 codes, int32 for 4)."""
-    width = 12 if bits == 3 else 8
-    per = width // bits
-    index = torch.arange(1 << width, dtype=torch.int32)
-    codes = torch.stack([(index >> (bits * j)) & ((1 << bits) - 1) for j in range(per)], 1)
-    wide = torch.int16 if per == 2 else torch.int32
-    return codes.to(torch.uint8).contiguous().view(wide).view(-1).to(device)
+    """What :func:`_unpack_by_table` looks up (2 or 3 bits): for every packed index (a byte at 2
+    bits, a 12-bit half of a 3-byte word at 3 bits), the 4 codes it holds, little-end first, as
+    one int32 whose bytes are those codes."""
+    index = torch.arange(1 << (4 * bits), dtype=torch.int32)
+    codes = torch.stack([(index >> (bits * j)) & ((1 << bits) - 1) for j in range(4)], 1)
+    return codes.to(torch.uint8).contiguous().view(torch.int32).view(-1).to(device)
 
 
 def _unpack_by_table(p: torch.Tensor, bits: int) -> torch.Tensor:
-    """Every code of whole packed units ``p`` (bytes; 3-byte words at 3 bits) by table lookup:
-    one ``index_select`` of 2 or 4 codes at a time, whose bytes are the codes in order. On CPU
+    """Every 2- or 3-bit code of whole packed units ``p`` (bytes; 3-byte words at 3 bits) by
+    table lookup: one ``index_select`` of 4 codes at a time, whose bytes are the codes in order. On CPU
     this measured 2x faster than :func:`unpack_by_shifts` at 3 bits and 2.5x at 2 (4,096
     tokens of SmolLM2's keys, alone). At 4 bits it was level alone and 10-20 % slower inside
     a cache's decode step (the int32 copy of every byte), so :func:`unpack` keeps the shifts

@@ -265,16 +265,15 @@ class TurboQuantizer:
             return enc.codes.to(dtype) if out is None else out.copy_(enc.codes)
         n = math.prod(enc.shape)
         codes = unpack(enc.codes.reshape(-1), self.key_bits, n).view(enc.shape)
-        # The levels scaled once (the same floats as scaling every looked-up level).
-        levels = self.codebook.levels.to(device=codes.device, dtype=torch.float32) * self._unit
-        y = levels.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+        y = self.codebook.decode(codes, scale=self._unit)
         if self.norm_correction:
             y = y / y.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-        norms = enc.norms.float().unsqueeze(-1)
-        if out is not None and out.dtype == torch.float32:  # scaled straight into `out`
-            return torch.mul(unrotate(y, self.rotation), norms, out=out)
-        x = unrotate(y, self.rotation) * norms
-        return x.to(dtype) if out is None else out.copy_(x)
+        x, norms = unrotate(y, self.rotation), enc.norms.float().unsqueeze(-1)
+        if out is None:
+            return (x * norms).to(dtype)
+        if out.dtype == torch.float32:  # scaled straight into `out`
+            return torch.mul(x, norms, out=out)
+        return out.copy_(x * norms)
 
     # ------------------------------------------------------------------ values
 
