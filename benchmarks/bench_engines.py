@@ -44,8 +44,8 @@ import warnings
 import numpy as np
 import torch
 from _machine import machine
+from _progress import bar, log
 from _timing import measure
-from tqdm import tqdm
 
 import kvlib
 from kvlib import results
@@ -138,7 +138,7 @@ def bytes_per_token(config, k: str, v: str, tokens: int = BYTES_AT_TOKENS) -> fl
     return sum(half)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 segment of 1,024 tokens")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per segment (2048)")
@@ -151,62 +151,43 @@ def main() -> None:
         help="the offline model measured (its own GGUF file)",
     )
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
-    args = ap.parse_args()
-    try:
-        import llama_cpp
-    except ImportError:
-        raise SystemExit(
-            "llama-cpp-python is not installed: run `make peers` first (it builds llama.cpp "
-            "from source, about 10 minutes on 2 cores)"
-        ) from None
-    tokens = args.tokens or (1024 if args.quick else 2048)
-    n_seg = args.segments or (1 if args.quick else 4)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
-    offline = kvlib.models.offline_model(args.model)
-    model, tok = kvlib.models.load_model(args.model)
-    text = kvlib.data.load_eval_text()[: tokens * n_seg * 8 + 1000]
-    all_ids = tok(text, return_tensors="pt").input_ids[0].tolist()
-    if len(all_ids) < tokens * n_seg:
-        raise SystemExit(f"the evaluation text holds only {len(all_ids)} tokens")
-    # a later segment starts with the BOS token where the text does (Gemma), as in bench_cache.py
-    segments = [kvlib.data.segment(all_ids, i, tokens, tok.bos_token_id) for i in range(n_seg)]
-    decode_prompt, decode_steps = all_ids[:1024], all_ids[1024 : 1024 + 32]
+    args = ap.parse_args(argv)
+    args.tokens = args.tokens or (1024 if args.quick else 2048)
+    args.segments = args.segments or (1 if args.quick else 4)
+    return args
 
+
+def measure_types(
+    args: argparse.Namespace, segments: list[list[int]], prompt: list[int], steps: list[int]
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """(name -> perplexity on each segment, name -> decode tokens/s after ``prompt``) of every
+    cache-type pair of :data:`PAIRS`, each in a llama.cpp context of its own."""
     ppl: dict[str, list[float]] = {}
     speed: dict[str, float] = {}
-    for k, v in tqdm(PAIRS, desc="llama.cpp cache types", file=sys.stderr, disable=None):
+    for k, v in bar(PAIRS, desc="llama.cpp cache types"):
         name = pair_name(k, v)
         llm = open_llama(
-            k, v, n_ctx=max(tokens, 1024 + len(decode_steps)) + CHUNK, threads=args.threads,
+            k, v, n_ctx=max(args.tokens, len(prompt) + len(steps)) + CHUNK, threads=args.threads,
             model=args.model,
         )  # fmt: skip
         ppl[name] = [chunked_perplexity(llm, seg) for seg in segments]
-        speed[name] = decode_rate(llm, decode_prompt, decode_steps, args.threads)
-        print(
-            f"{name}: perplexity {statistics.mean(ppl[name]):.4f}, {speed[name]:.0f} tok/s",
-            file=sys.stderr,
-        )
+        speed[name] = decode_rate(llm, prompt, steps, args.threads)
+        log(f"{name}: perplexity {statistics.mean(ppl[name]):.4f}, {speed[name]:.0f} tok/s")
         del llm
+    return ppl, speed
 
-    ref = pair_name("f16", "f16")
-    where = f"{machine(args.threads)}, llama-cpp-python {llama_cpp.__version__}"
-    date = datetime.datetime.now(datetime.UTC).date().isoformat()
-    cmd = "python " + " ".join(["benchmarks/bench_engines.py", *sys.argv[1:]])
-    fp16 = kv_cache_bytes(spec_from_config(model.config), BYTES_AT_TOKENS, 1, 16) / BYTES_AT_TOKENS
+
+def type_rows(
+    config, ppl: dict[str, list[float]], speed: dict[str, float], ref: str
+) -> dict[str, dict]:
+    """The results file's row of each pair: bits, bytes per token at :data:`BYTES_AT_TOKENS`
+    tokens, the perplexity cost on each segment against ``ref``'s and the decode speed."""
+    fp16 = kv_cache_bytes(spec_from_config(config), BYTES_AT_TOKENS, 1, 16) / BYTES_AT_TOKENS
     rows = {}
-    print(
-        f"\nCommand: `{cmd}`; {offline.title}; {n_seg} × {tokens} tokens, chunks of {CHUNK}; "
-        f"bytes per token at {BYTES_AT_TOKENS} tokens; {where}; {date}\n"
-    )
-    print(
-        "| cache type (K/V) | bits (K, V) | bytes/token | x smaller than f16 | mean delta (%) | segments (%) | decode tok/s | slowdown vs f16 |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
     for k, v in PAIRS:
         name = pair_name(k, v)
         deltas = [100 * (p / r - 1) for p, r in zip(ppl[name], ppl[ref], strict=True)]
-        bpt = bytes_per_token(model.config, k, v)
+        bpt = bytes_per_token(config, k, v)
         bits = tuple(engines.kv_type("llama.cpp", t).effective_bits for t in (k, v))
         rows[name] = {
             "type_k": k,
@@ -220,34 +201,83 @@ def main() -> None:
             "decode_tokens_per_s": round(speed[name], 2),
             "slowdown_vs_reference": round(speed[ref] / speed[name], 3),
         }
-        r = rows[name]
-        segs = ", ".join(f"{d:+.2f}" for d in deltas)
-        print(
-            f"| {name} | {bits[0]:g}, {bits[1]:g} | {bpt:,.0f} | {r['x_smaller_than_fp16']:.2f} | "
-            f"{r['perplexity_delta_pct_mean']:+.2f} | {segs} | {speed[name]:.0f} | {r['slowdown_vs_reference']:.2f} |"
+    return rows
+
+
+def table(rows: dict[str, dict]) -> str:
+    """The Markdown table of :func:`type_rows`' rows."""
+    lines = [
+        "| cache type (K/V) | bits (K, V) | bytes/token | x smaller than f16 | mean delta (%) "
+        "| segments (%) | decode tok/s | slowdown vs f16 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        bits = ", ".join(f"{b:g}" for b in r["bits_per_element"])
+        segs = ", ".join(f"{d:+.2f}" for d in r["perplexity_delta_pct_segments"])
+        lines.append(
+            f"| {name} | {bits} | {r['bytes_per_token']:,.0f} | {r['x_smaller_than_fp16']:.2f} | "
+            f"{r['perplexity_delta_pct_mean']:+.2f} | {segs} | {r['decode_tokens_per_s']:.0f} "
+            f"| {r['slowdown_vs_reference']:.2f} |"
         )
-    if not args.no_json:
-        entry = {
-            "source": "benchmarks/bench_engines.py",
-            "command": cmd,
-            "date": date,
-            "machine": where,
-            "model": f"{offline.title} ({offline.weights} GGUF weights, llama.cpp)",
-            "settings": {
-                "engine": "llama.cpp",
-                "tokens": tokens,
-                "segments": n_seg,
-                "chunk_size": CHUNK,
-                "flash_attention": True,
-                "decode_prompt_tokens": len(decode_prompt),
-                "decode_new_tokens": len(decode_steps),
-                "reference": ref,
-                "bytes_at_tokens": BYTES_AT_TOKENS,
-            },
-            "rows": rows,
-        }
-        name = results.run_name("llama.cpp", args.model)
-        print(f"wrote run {name!r} to {results.record_run(name, entry)}", file=sys.stderr)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(
+            "llama-cpp-python is not installed: run `make peers` first (it builds llama.cpp "
+            "from source, about 10 minutes on 2 cores)"
+        ) from None
+    tokens, n_seg = args.tokens, args.segments
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    offline = kvlib.models.offline_model(args.model)
+    model, tok = kvlib.models.load_model(args.model)
+    text = kvlib.data.load_eval_text()[: tokens * n_seg * 8 + 1000]
+    all_ids = tok(text, return_tensors="pt").input_ids[0].tolist()
+    if len(all_ids) < tokens * n_seg:
+        raise SystemExit(f"the evaluation text holds only {len(all_ids)} tokens")
+    # a later segment starts with the BOS token where the text does (Gemma), as in bench_cache.py
+    segments = [kvlib.data.segment(all_ids, i, tokens, tok.bos_token_id) for i in range(n_seg)]
+    decode_prompt, decode_steps = all_ids[:1024], all_ids[1024 : 1024 + 32]
+    ppl, speed = measure_types(args, segments, decode_prompt, decode_steps)
+
+    ref = pair_name("f16", "f16")
+    where = f"{machine(args.threads)}, llama-cpp-python {llama_cpp.__version__}"
+    date = datetime.datetime.now(datetime.UTC).date().isoformat()
+    cmd = "python " + " ".join(["benchmarks/bench_engines.py", *(argv or sys.argv[1:])])
+    rows = type_rows(model.config, ppl, speed, ref)
+    print(
+        f"\nCommand: `{cmd}`; {offline.title}; {n_seg} × {tokens} tokens, chunks of {CHUNK}; "
+        f"bytes per token at {BYTES_AT_TOKENS} tokens; {where}; {date}\n"
+    )
+    print(table(rows))
+    if args.no_json:
+        return
+    entry = {
+        "source": "benchmarks/bench_engines.py",
+        "command": cmd,
+        "date": date,
+        "machine": where,
+        "model": f"{offline.title} ({offline.weights} GGUF weights, llama.cpp)",
+        "settings": {
+            "engine": "llama.cpp",
+            "tokens": tokens,
+            "segments": n_seg,
+            "chunk_size": CHUNK,
+            "flash_attention": True,
+            "decode_prompt_tokens": len(decode_prompt),
+            "decode_new_tokens": len(decode_steps),
+            "reference": ref,
+            "bytes_at_tokens": BYTES_AT_TOKENS,
+        },
+        "rows": rows,
+    }
+    name = results.run_name("llama.cpp", args.model)
+    log(f"wrote run {name!r} to {results.record_run(name, entry)}")
 
 
 if __name__ == "__main__":

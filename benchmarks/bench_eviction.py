@@ -40,11 +40,14 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
 import torch
 import transformers
 from _machine import machine
+from _progress import log
 
 import kvlib
 from kvlib import results
@@ -58,10 +61,6 @@ from kvlib.kvtc import pca
 FAMILY_LABELS = {"kvlib": "quantization", "kvtc": "transform coding", "dynamic": "reference"}
 QUANT = ("kvlib-int8", "kvlib-int4", "kvlib-int3", "kvlib-int2")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 MULTI_KEYS = 4
@@ -185,7 +184,7 @@ def markdown_tables(run: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1024 tokens, budgets 1/4 and 1/8, 1k")
     ap.add_argument("--tokens", type=int, default=None, help="perplexity tokens (default 2048)")
@@ -218,45 +217,36 @@ def main() -> None:
         metavar="RUN",
         help="print the Markdown tables of a recorded run of kvlib/results.json and exit",
     )
-    args = ap.parse_args()
-    if args.print_run:
-        print(markdown_tables(results.run(args.print_run)))
-        return
+    args = ap.parse_args(argv)
     if args.segments < 1:
         ap.error(f"--segments must be >= 1 (got {args.segments})")
-    torch.set_num_threads(args.threads)
-    kvlib.seed_everything(0)
-    tokens = args.tokens or (1024 if args.quick else 2048)
-    fractions = tuple(args.budgets or ((4, 8) if args.quick else (2, 4, 8, 16)))
-    groups = args.int4_groups or [None]
-    contexts = tuple(args.contexts or ((1024,) if args.quick else (1024, 2048)))
-    trials = args.trials or (2 if args.quick else 4)
-    t_start = time.perf_counter()
+    args.tokens = args.tokens or (1024 if args.quick else 2048)
+    args.budgets = tuple(args.budgets or ((4, 8) if args.quick else (2, 4, 8, 16)))
+    args.int4_groups = args.int4_groups or [None]
+    args.contexts = tuple(args.contexts or ((1024,) if args.quick else (1024, 2048)))
+    args.trials = args.trials or (2 if args.quick else 4)
+    return args
 
-    from kvlib.models import load_model
 
-    model, tok = load_model(device="cpu")
-    config = model.config
-    calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
-    all_ids = tok(evaluation[: tokens * args.segments * 8 + 1000], return_tensors="pt").input_ids
-    if all_ids.shape[1] < tokens * args.segments:
-        ap.error(
-            f"the evaluation text holds {all_ids.shape[1]} tokens, fewer than --segments x --tokens"
-        )
-    segments = [all_ids[:, i * tokens : (i + 1) * tokens] for i in range(args.segments)]
-    basis = None
-    if not args.no_kvtc:
-        t0 = time.perf_counter()
-        basis = pca.fit_kv_pca(model, tok, calib, cross_layer=False, max_tokens=4096)
-        log(f"PCA basis fitted on 4096 calibration tokens in {time.perf_counter() - t0:.0f} s")
-
-    reference = cache_registry.reference_name(model.dtype)
-    factories = {reference: lambda _t: None}  # None: the model's own DynamicCache
-    for name in () if args.only_int4 else QUANT:
+def cache_factories(
+    config: Any,
+    reference: str,
+    fractions: tuple[int, ...],
+    policies: list[str],
+    groups: list[int | None],
+    *,
+    only_int4: bool = False,
+) -> dict[str, Callable[[int], Any]]:
+    """Row name -> a factory of a fresh cache for a context of ``t`` tokens: the reference
+    (None: the model's own DynamicCache) and kvlib's quantized caches unless ``only_int4``,
+    then every policy at each budget 1/k of ``fractions``, in float16 (unless ``only_int4``)
+    and on int4 (a row per group size of ``groups``; None: the registry's)."""
+    factories: dict[str, Callable[[int], Any]] = {reference: lambda _t: None}
+    for name in () if only_int4 else QUANT:
         factories[name] = lambda _t, n=name: cache_registry.cache_factory(n, config)
-    kinds = [("", None)] * (not args.only_int4) + [("-int4", g) for g in groups]
+    kinds = [("", None)] * (not only_int4) + [("-int4", g) for g in groups]
     for k in fractions:
-        for policy in args.policies:
+        for policy in policies:
             for suffix, g in kinds:
                 name = f"evict-{policy}{suffix}"
                 options = {} if g is None else {"group_size": g}
@@ -266,34 +256,25 @@ def main() -> None:
 
                 label = name if g is None else f"{name}-g{g}"
                 factories[f"{label}@1/{k}"] = factory_for
+    return factories
 
-    measured: dict[str, dict] = {}
-    for name, factory_for in factories.items():
-        f = factory_for(tokens - 1) or (lambda: kvlib.compat.dynamic_cache(config))
-        row = measured[name] = perplexity_row(model, segments, f)
-        log(f"{name:28s} ppl {row['perplexity']:.3f}  bytes/fp16 {row['fp16_fraction']:.3f}  "
-            f"({row['seconds']:.0f} s)")  # fmt: skip
+
+def retrieval_grids(
+    contexts: tuple[int, ...], trials: int, multi_trials: int
+) -> list[tuple[str, dict[str, Any]]]:
+    """(column, :func:`kvlib.eval.retrieval.compare_retrieval` grid) of each retrieval column:
+    one per context, then the multi-key variant at the first context (if ``multi_trials``)."""
     columns = [(f"retrieval_{c}", {"context_tokens": (c,), "trials": trials}) for c in contexts]
-    if args.multi_trials:
-        columns.append(
-            (
-                f"retrieval_multi_{contexts[0]}",
-                {
-                    "context_tokens": (contexts[0],),
-                    "n_keys": MULTI_KEYS,
-                    "trials": args.multi_trials,
-                },
-            )
-        )
-    for column, grid in columns:
-        got = retrieval_columns(
-            model, tok, config, factories, basis, fractions, column, args.seed, **grid
-        )
-        for name, cols in got.items():
-            measured.setdefault(name, {}).update(cols)
+    if multi_trials:
+        grid = {"context_tokens": (contexts[0],), "n_keys": MULTI_KEYS, "trials": multi_trials}
+        columns.append((f"retrieval_multi_{contexts[0]}", grid))
+    return columns
 
-    # the cost on each segment against the reference on that segment; the first is the
-    # protocol's (as in bench_cache.py), the mean is what the tables read
+
+def add_segment_costs(measured: dict[str, dict], reference: str) -> None:
+    """Add to each row with a perplexity its % cost against the reference on each segment
+    (the first is the protocol's, as in bench_cache.py), their mean (what the tables read)
+    and the worst."""
     ref_ppl = measured[reference]["perplexity_segments"]
     for row in measured.values():
         if "perplexity" in row:
@@ -305,17 +286,27 @@ def main() -> None:
             row["perplexity_delta_pct_mean"] = statistics.mean(d)
             row["perplexity_delta_pct_worst"] = max(d)
 
-    def family(name: str) -> str:
-        info = cache_registry.cache_info(name)
-        if info.family == "evict":
-            return "eviction+int4" if info.bits == 4 else "eviction"
-        return FAMILY_LABELS[info.family]
+
+def family(name: str) -> str:
+    """The table's family of a row: eviction splits by bits (float16, or on int4)."""
+    info = cache_registry.cache_info(name)
+    if info.family == "evict":
+        return "eviction+int4" if info.bits == 4 else "eviction"
+    return FAMILY_LABELS[info.family]
+
+
+def best_rows(
+    measured: dict[str, dict], fractions: tuple[int, ...], first_context: int
+) -> dict[str, str]:
+    """``"1/<k> <family>"`` -> the best row of each family within each budget: the highest
+    retrieval at ``first_context`` tokens, then the lesser mean perplexity cost. Quantization
+    rows count at every budget their bytes fit; the others only at their own."""
 
     def fraction(row: dict) -> float:  # bytes over fp16: at the perplexity length if live
-        return row.get("fp16_fraction", row[f"retrieval_{contexts[0]}_fp16_fraction"])
+        if "fp16_fraction" in row:
+            return row["fp16_fraction"]
+        return row[f"retrieval_{first_context}_fp16_fraction"]
 
-    # the best row of each family at each budget: retrieval first (at the first context), then
-    # the lesser perplexity cost
     best = {}
     for k in fractions:
         for fam in ("quantization", "transform coding", "eviction", "eviction+int4"):
@@ -330,46 +321,95 @@ def main() -> None:
                 n, r = min(
                     rows,
                     key=lambda nr: (
-                        -nr[1][f"retrieval_{contexts[0]}"],
+                        -nr[1][f"retrieval_{first_context}"],
                         nr[1].get("perplexity_delta_pct_mean", math.inf),
                     ),
                 )
                 best[f"1/{k} {fam}"] = n
+    return best
 
+
+def run_settings(args: argparse.Namespace, kvtc: bool) -> dict[str, Any]:
+    """The run's settings as the results file records them (``seconds`` added at the end)."""
+    return {
+        "tokens": args.tokens,
+        "segments": args.segments,
+        "chunk": 64,
+        "budgets": [f"1/{k}" for k in args.budgets],
+        "retrieval_contexts": list(args.contexts),
+        "retrieval_multi_keys": MULTI_KEYS,
+        "retrieval_depths": list(DEPTHS),
+        "retrieval_trials_per_depth": args.trials,
+        "retrieval_multi_trials_per_depth": args.multi_trials,
+        "int4_residual": cache_registry.INT_RESIDUAL,
+        "int4_groups": args.int4_groups,
+        "kvtc": {
+            "calibration_tokens": 4096,
+            "sinks": cache_registry.KVTC_WINDOW[0],
+            "recent": cache_registry.KVTC_WINDOW[1],
+        }
+        if kvtc
+        else None,
+        "seed": args.seed,
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.print_run:
+        print(markdown_tables(results.run(args.print_run)))
+        return
+    torch.set_num_threads(args.threads)
+    kvlib.seed_everything(0)
+    t_start = time.perf_counter()
+    model, tok = kvlib.models.load_model(device="cpu")
+    config, tokens = model.config, args.tokens
+    calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
+    all_ids = tok(evaluation[: tokens * args.segments * 8 + 1000], return_tensors="pt").input_ids
+    if all_ids.shape[1] < tokens * args.segments:
+        raise SystemExit(
+            f"the evaluation text holds {all_ids.shape[1]} tokens, fewer than --segments x --tokens"
+        )
+    segments = [all_ids[:, i * tokens : (i + 1) * tokens] for i in range(args.segments)]
+    basis = None
+    if not args.no_kvtc:
+        t0 = time.perf_counter()
+        basis = pca.fit_kv_pca(model, tok, calib, cross_layer=False, max_tokens=4096)
+        log(f"PCA basis fitted on 4096 calibration tokens in {time.perf_counter() - t0:.0f} s")
+
+    reference = cache_registry.reference_name(model.dtype)
+    factories = cache_factories(
+        config, reference, args.budgets, args.policies, args.int4_groups, only_int4=args.only_int4
+    )
+    measured: dict[str, dict] = {}
+    for name, factory_for in factories.items():
+        f = factory_for(tokens - 1) or (lambda: kvlib.compat.dynamic_cache(config))
+        row = measured[name] = perplexity_row(model, segments, f)
+        log(f"{name:28s} ppl {row['perplexity']:.3f}  bytes/fp16 {row['fp16_fraction']:.3f}  "
+            f"({row['seconds']:.0f} s)")  # fmt: skip
+    for column, grid in retrieval_grids(args.contexts, args.trials, args.multi_trials):
+        got = retrieval_columns(
+            model, tok, config, factories, basis, args.budgets, column, args.seed, **grid
+        )
+        for name, cols in got.items():
+            measured.setdefault(name, {}).update(cols)
+    add_segment_costs(measured, reference)
     log(f"total {time.perf_counter() - t_start:.0f} s")
 
     run_entry = {
         "source": "benchmarks/bench_eviction.py",
-        "command": " ".join(["python", "benchmarks/bench_eviction.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "benchmarks/bench_eviction.py", *(argv or sys.argv[1:])]),
         "machine": machine(args.threads),
         "model": "SmolLM2-135M-Instruct (bundled)",
         "settings": {
-            "tokens": tokens,
-            "segments": args.segments,
-            "chunk": 64,
-            "budgets": [f"1/{k}" for k in fractions],
-            "retrieval_contexts": list(contexts),
-            "retrieval_multi_keys": MULTI_KEYS,
-            "retrieval_depths": list(DEPTHS),
-            "retrieval_trials_per_depth": trials,
-            "retrieval_multi_trials_per_depth": args.multi_trials,
-            "int4_residual": cache_registry.INT_RESIDUAL,
-            "int4_groups": groups,
-            "kvtc": None
-            if basis is None
-            else {
-                "calibration_tokens": 4096,
-                "sinks": cache_registry.KVTC_WINDOW[0],
-                "recent": cache_registry.KVTC_WINDOW[1],
-            },
-            "seed": args.seed,
-            "quick": args.quick,
+            **run_settings(args, basis is not None),
             "seconds": round(time.perf_counter() - t_start),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
         },
         "rows": {n: {k: _rounded(v) for k, v in r.items()} for n, r in measured.items()},
-        "best": best,
+        "best": best_rows(measured, args.budgets, args.contexts[0]),
         "peer": "kvpress 0.5.5 in its own environment: run 'kvpress' (benchmarks/bench_kvpress.py)",
     }
     print(markdown_tables(run_entry))

@@ -158,7 +158,7 @@ def overlap(a: list, b: list) -> tuple[float, float]:
     return sum(fractions) / len(fractions), same / len(fractions)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peer", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
@@ -169,7 +169,73 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-json", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run_peer(peer_python: Path, job: dict, threads: int) -> dict:
+    """kvpress's side: ``job`` run by this script in kvpress's environment (``--peer``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "job.json").write_text(json.dumps(job))
+        env = {**os.environ, "PEER_THREADS": str(threads)}
+        subprocess.run(
+            [str(peer_python), __file__, "--peer", f"{tmp}/job.json", f"{tmp}/out.json"],
+            check=True,
+            env=env,
+        )
+        return json.loads(Path(tmp, "out.json").read_text())
+
+
+def compare_rows(ours: list[dict], theirs: list[dict], prompts: list, tok) -> dict[str, dict]:
+    """``"<policy>@<kept share>"`` -> how the two sides agree at that press: the overlap of
+    their kept positions, the share of identical (layer, head) sets, each side's correct
+    answers and the prompts answered with the same tokens."""
+    from kvlib.eval import retrieval
+
+    def correct(runs: list[dict]) -> int:
+        return sum(
+            retrieval._first_number(tok.decode(r["tokens"], skip_special_tokens=True))
+            == prompts[r["prompt"]].answer
+            for r in runs
+        )
+
+    rows = {}
+    for policy in PRESSES:
+        for ratio in RATIOS:
+            a = [r for r in ours if (r["policy"], r["ratio"]) == (policy, ratio)]
+            b = [r for r in theirs if (r["policy"], r["ratio"]) == (policy, ratio)]
+            agree = [overlap(x["kept"], y["kept"]) for x, y in zip(a, b, strict=True) if x["kept"]]
+            rows[f"{policy}@{1 - ratio:g}"] = {
+                "kept_overlap": sum(o for o, _ in agree) / len(agree),
+                "identical_sets": sum(s for _, s in agree) / len(agree),
+                "kvlib_correct": correct(a),
+                "kvpress_correct": correct(b),
+                "same_answer_tokens": sum(
+                    x["tokens"] == y["tokens"] for x, y in zip(a, b, strict=True)
+                ),
+                "prompts": len(a),
+            }
+    return rows
+
+
+def table(rows: dict[str, dict]) -> str:
+    """The Markdown table of :func:`compare_rows`' rows."""
+    lines = [
+        "| policy @ kept | kept overlap | identical (layer, head) sets | kvlib correct | "
+        "kvpress correct | same answer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        n = r["prompts"]
+        lines.append(
+            f"| {name} | {r['kept_overlap']:.3f} | {r['identical_sets']:.2f} | "
+            f"{r['kvlib_correct']}/{n} | {r['kvpress_correct']}/{n} | "
+            f"{r['same_answer_tokens']}/{n} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.peer:
         peer(*args.peer)
         return
@@ -197,65 +263,25 @@ def main() -> None:
         for d in depths
         for _ in range(args.trials)
     ]
+    job = {
+        "model": str(model_folder()),
+        "ratios": list(RATIOS),
+        "kept_prompts": args.kept_prompts,
+        "prompts": [{"ids": t.input_ids[0].tolist(), "max_new": t.key_digits + 4} for t in prompts],
+    }
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        job = {
-            "model": str(model_folder()),
-            "ratios": list(RATIOS),
-            "kept_prompts": args.kept_prompts,
-            "prompts": [
-                {"ids": t.input_ids[0].tolist(), "max_new": t.key_digits + 4} for t in prompts
-            ],
-        }
-        Path(tmp, "job.json").write_text(json.dumps(job))
-        env = {**os.environ, "PEER_THREADS": str(args.threads)}
-        subprocess.run(
-            [str(args.peer_python), __file__, "--peer", f"{tmp}/job.json", f"{tmp}/out.json"],
-            check=True,
-            env=env,
-        )
-        theirs = json.loads(Path(tmp, "out.json").read_text())
+    theirs = run_peer(args.peer_python, job, args.threads)
     peer_seconds = time.perf_counter() - t0
     ours = kvlib_side(model, tok, prompts, RATIOS, args.kept_prompts)
-
-    rows = {}
-    for policy in PRESSES:
-        for ratio in RATIOS:
-            a = [r for r in ours if (r["policy"], r["ratio"]) == (policy, ratio)]
-            b = [r for r in theirs["runs"] if (r["policy"], r["ratio"]) == (policy, ratio)]
-            agree = [overlap(x["kept"], y["kept"]) for x, y in zip(a, b, strict=True) if x["kept"]]
-
-            def correct(runs):
-                return sum(
-                    retrieval._first_number(tok.decode(r["tokens"], skip_special_tokens=True))
-                    == prompts[r["prompt"]].answer
-                    for r in runs
-                )
-
-            same_answer = sum(x["tokens"] == y["tokens"] for x, y in zip(a, b, strict=True))
-            rows[f"{policy}@{1 - ratio:g}"] = {
-                "kept_overlap": sum(o for o, _ in agree) / len(agree),
-                "identical_sets": sum(s for _, s in agree) / len(agree),
-                "kvlib_correct": correct(a),
-                "kvpress_correct": correct(b),
-                "same_answer_tokens": same_answer,
-                "prompts": len(a),
-            }
+    rows = compare_rows(ours, theirs["runs"], prompts, tok)
     print(f"\nkvpress {theirs['kvpress']} (transformers {theirs['transformers']}) vs kvlib, "
           f"{len(prompts)} prompts of ~{args.context} tokens\n")  # fmt: skip
-    print("| policy @ kept | kept overlap | identical (layer, head) sets | kvlib correct | "
-          "kvpress correct | same answer |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
-    for name, r in rows.items():
-        n = r["prompts"]
-        print(f"| {name} | {r['kept_overlap']:.3f} | {r['identical_sets']:.2f} | "
-              f"{r['kvlib_correct']}/{n} | {r['kvpress_correct']}/{n} | "
-              f"{r['same_answer_tokens']}/{n} |")  # fmt: skip
+    print(table(rows))
     if args.no_json:
         return
     entry = {
         "source": "benchmarks/bench_kvpress.py",
-        "command": " ".join(["python", "benchmarks/bench_kvpress.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "benchmarks/bench_kvpress.py", *(argv or sys.argv[1:])]),
         "machine": machine(args.threads),
         "model": "SmolLM2-135M-Instruct (bundled)",
         "settings": {

@@ -26,12 +26,15 @@ skip calibration; ``--refit`` fits them again and reports the fit time.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from typing import Any
 
 import torch
 import transformers
 from _machine import cpu_model, machine
+from _progress import bar, log
 from _timing import median_seconds
 from tqdm import tqdm
 
@@ -40,10 +43,12 @@ from kvlib import compat, results
 from kvlib.eval import quality
 from kvlib.kvtc import codec as kvtc
 from kvlib.kvtc import pca
+from kvlib.memory import human_bytes
 from kvlib.models import cache_dir, load_model
 from kvlib.quant.recipes import KVRecipe, quantize_kv
 
 TARGET_RATIO, TARGET_DELTA = 8.0, 5.0
+CALIB_TOKENS = 8192  # calibration tokens each basis is fitted on
 
 
 def basis_for(model, tokenizer, calib: str, cross: bool, tokens: int, refit: bool):
@@ -58,7 +63,10 @@ def basis_for(model, tokenizer, calib: str, cross: bool, tokens: int, refit: boo
     return basis, fit
 
 
-def main() -> None:
+Row = tuple[str, float, float, float, float, str]  # name, × vs fp16, perplexity, enc s, dec s, MSE
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter texts, fewer points")
     ap.add_argument("--refit", action="store_true", help="fit the bases even if cached")
@@ -69,74 +77,86 @@ def main() -> None:
         default=None,
         help="seconds measured per encode / decode timing, after warm-up (default 1, quick 0.2)",
     )
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    kvlib.seed_everything(0)
-    prefix_len, next_len = (768, 256) if args.quick else (1536, 512)
-    min_run_time = args.min_run_time or (0.2 if args.quick else 1.0)
-    targets_cross = [16, 32, 64] if args.quick else [12, 16, 24, 32, 48, 64]
-    targets_per = [16, 32] if args.quick else [8, 16, 32]
-    calib_tokens = 8192
+    args = ap.parse_args(argv)
+    args.prefix_len, args.next_len = (768, 256) if args.quick else (1536, 512)
+    args.min_run_time = args.min_run_time or (0.2 if args.quick else 1.0)
+    args.targets = {
+        True: [16, 32, 64] if args.quick else [12, 16, 24, 32, 48, 64],  # cross-layer basis
+        False: [16, 32] if args.quick else [8, 16, 32],  # per-layer basis
+    }
+    return args
 
-    model, tokenizer = load_model()
-    calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
-    ids = tokenizer(evaluation[:60_000], return_tensors="pt").input_ids
-    ids = ids[:, : prefix_len + next_len]
-    assert evaluation[:20_000] not in calib  # disjoint calibration / evaluation text
-    prefix, nxt = ids[:, :prefix_len], ids[:, prefix_len:]
 
-    steps = 2 + len(targets_cross) + len(targets_per) + 4  # bases, PCA points, int widths
-    bar = tqdm(total=steps, desc="bench_pca", unit="step", file=sys.stderr, disable=None)
+def fit_bases(model, tokenizer, calib: str, refit: bool, bar: tqdm) -> dict[bool, pca.KVPCABasis]:
+    """cross-layer (True) and per-layer (False) bases, each fitted on :data:`CALIB_TOKENS`
+    tokens of ``calib`` or loaded from the cache folder, with a line on each."""
     bases = {}
     for cross in (True, False):
-        basis, fit = basis_for(model, tokenizer, calib, cross, calib_tokens, args.refit)
+        basis, fit = basis_for(model, tokenizer, calib, cross, CALIB_TOKENS, refit)
         bases[cross] = basis
         name = "cross-layer" if cross else "per-layer"
         fit_s = f"fit {fit[0]:.1f} s wall / {fit[1]:.1f} s CPU" if fit else "loaded from cache"
-        tqdm.write(
+        log(
             f"{name} basis: {sum(v.numel() for v in basis.variances)} components, "
-            f"{basis.nbytes() / 1e6:.1f} MB (stored once per model, not per conversation), "
+            f"{human_bytes(basis.nbytes())} (stored once per model, not per conversation), "
             f"{basis.calib_tokens} fit + {basis.meta.get('heldout_tokens')} held-out calibration "
             f"tokens; {fit_s}"
         )
         bar.update()
+    return bases
 
-    cache = compat.prefill_cache(model, prefix, chunk_size=256)
-    fp16 = 2 * sum(k.numel() + v.numel() for k, v in compat.cache_tensors(cache))
-    ref = quality.continuation_perplexity(model, compat.clone_cache(cache), nxt)
-    rows = [("fp16 (uncompressed)", 1.0, ref, float("nan"), float("nan"), "", "")]
 
-    for cross, targets in ((True, targets_cross), (False, targets_per)):
+def measured_mse(cache: Any, out: Any, sl: slice) -> float:
+    """Mean squared error of the decoded cache ``out`` against ``cache`` over the token
+    positions ``sl`` (the PCA-coded ones), keys and values of every layer together."""
+    total, n = 0.0, 0
+    for (k, v), (k2, v2) in zip(
+        compat.cache_tensors(cache), compat.cache_tensors(out), strict=True
+    ):
+        total += float(((k - k2)[:, :, sl] ** 2).sum() + ((v - v2)[:, :, sl] ** 2).sum())
+        n += 2 * k[:, :, sl].numel()
+    return total / n
+
+
+def pca_rows(
+    model, cache: Any, nxt: torch.Tensor, bases: dict[bool, pca.KVPCABasis], args, bar: tqdm
+) -> list[Row]:
+    """A row per PCA point: each basis at each of its targets, the prefix cache encoded and
+    decoded (median times), the continuation ``nxt`` (1, n) scored from the decoded cache."""
+    fp16 = fp16_bytes(cache)
+    rows = []
+    for cross, targets in args.targets.items():
         for target in targets:
             codec = kvtc.KVTCCodec(bases[cross], compression=float(target))
             enc_s, data = median_seconds(
-                lambda codec=codec: codec.encode(cache), min_run_time=min_run_time
+                lambda codec=codec: codec.encode(cache), min_run_time=args.min_run_time
             )
             dec_s, out = median_seconds(
-                lambda codec=codec, data=data: codec.decode(data), min_run_time=min_run_time
+                lambda codec=codec, data=data: codec.decode(data), min_run_time=args.min_run_time
             )
-            measured = 0.0
-            n = 0
-            for (k, v), (k2, v2) in zip(
-                compat.cache_tensors(cache), compat.cache_tensors(out), strict=True
-            ):
-                sl = slice(codec.sink_tokens, prefix_len - codec.recent_tokens)
-                measured += float(((k - k2)[:, :, sl] ** 2).sum() + ((v - v2)[:, :, sl] ** 2).sum())
-                n += 2 * k[:, :, sl].numel()
+            sl = slice(codec.sink_tokens, args.prefix_len - codec.recent_tokens)
+            mse = f"{codec.predicted_mse():.4f} / {measured_mse(cache, out, sl):.4f}"
             ppl = quality.continuation_perplexity(model, out, nxt)
             name = f"PCA {'cross-layer' if cross else 'per-layer'}, target {target}x"
-            mse = f"{codec.predicted_mse():.4f} / {measured / n:.4f}"
-            rows.append((name, fp16 / len(data), ppl, enc_s, dec_s, mse, ""))
+            rows.append((name, fp16 / len(data), ppl, enc_s, dec_s, mse))
             bar.update()
+    return rows
 
+
+def integer_rows(
+    model, prefix: torch.Tensor, cache: Any, nxt: torch.Tensor, bar: tqdm
+) -> list[Row]:
+    """Two rows per bit width: kvlib's live cache (the continuation quantized as it is fed),
+    and the prefix alone stored in the same layout (the continuation in full precision)."""
+    nan = float("nan")
+    fp16 = fp16_bytes(cache)
+    rows = []
     for bits in (8, 4, 3, 2):
         qc = kvlib.caches.quantized.QuantizedKVCache(model.config, bits=bits)
         kvlib.compat.forward(model, prefix, qc)
         ratio = qc.fp16_nbytes() / qc.nbytes()
         ppl = quality.continuation_perplexity(model, qc, nxt)
-        rows.append(
-            (f"kvlib int{bits} QuantizedKVCache", ratio, ppl, float("nan"), float("nan"), "", "")
-        )
+        rows.append((f"kvlib int{bits} QuantizedKVCache", ratio, ppl, nan, nan, ""))
         recipe = KVRecipe(
             bits,
             key_axis=-2,
@@ -152,70 +172,104 @@ def main() -> None:
             layers.append((q.keys, q.values))
             nbytes += q.nbytes
         ppl = quality.continuation_perplexity(model, compat.dynamic_cache_from(layers), nxt)
-        rows.append(
-            (f"kvlib int{bits} prefix-only", fp16 / nbytes, ppl, float("nan"), float("nan"), "", "")
-        )
+        rows.append((f"kvlib int{bits} prefix-only", fp16 / nbytes, ppl, nan, nan, ""))
         bar.update()
-    bar.close()
+    return rows
 
-    print(
-        f"\nprefix {prefix_len} tokens ({fp16 / 1e6:.2f} MB fp16), {next_len} scored tokens, "
-        f"reference perplexity {ref:.3f}; torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, {cpu_model()}\n"
-    )
-    print(
-        "| method | compression vs fp16 | perplexity | Δ ppl | encode s | decode s | MSE predicted / measured |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, ratio, ppl, enc, dec, mse, _ in rows:
+
+def fp16_bytes(cache: Any) -> int:
+    """Bytes of ``cache``'s keys and values held in float16."""
+    return 2 * sum(k.numel() + v.numel() for k, v in compat.cache_tensors(cache))
+
+
+def table(rows: list[Row], ref: float) -> str:
+    """The Markdown table of every row, its perplexity cost against ``ref``."""
+    lines = [
+        "| method | compression vs fp16 | perplexity | Δ ppl | encode s | decode s "
+        "| MSE predicted / measured |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, ratio, ppl, enc, dec, mse in rows:
         delta = 100 * (ppl / ref - 1)
-        e = "" if enc != enc else f"{enc:.2f}"
-        d = "" if dec != dec else f"{dec:.2f}"
-        print(f"| {name} | {ratio:.2f}× | {ppl:.3f} | {delta:+.2f} % | {e} | {d} | {mse} |")
+        e = "" if math.isnan(enc) else f"{enc:.2f}"
+        d = "" if math.isnan(dec) else f"{dec:.2f}"
+        lines.append(f"| {name} | {ratio:.2f}× | {ppl:.3f} | {delta:+.2f} % | {e} | {d} | {mse} |")
+    return "\n".join(lines)
 
-    pca_rows = [r for r in rows if r[0].startswith("PCA")]
-    ok1 = [r for r in pca_rows if r[1] >= TARGET_RATIO and 100 * (r[2] / ref - 1) <= TARGET_DELTA]
-    print(
-        f"\nTarget ≥ {TARGET_RATIO:g}× at ≤ +{TARGET_DELTA:g} % perplexity: "
-        + (
-            "MET by "
-            + ", ".join(f"{r[0]} ({r[1]:.2f}×, {100 * (r[2] / ref - 1):+.2f} %)" for r in ok1)
-            if ok1
-            else "NOT MET"
-        )
-    )
+
+def target_lines(rows: list[Row], ref: float) -> str:
+    """The issue's targets read on the rows: a PCA point at ≥ :data:`TARGET_RATIO`× within
+    +:data:`TARGET_DELTA` %, and PCA points better than int2 at equal or higher compression."""
+    pca_points = [r for r in rows if r[0].startswith("PCA")]
+    ok = [r for r in pca_points if r[1] >= TARGET_RATIO and 100 * (r[2] / ref - 1) <= TARGET_DELTA]
+    met = ", ".join(f"{r[0]} ({r[1]:.2f}×, {100 * (r[2] / ref - 1):+.2f} %)" for r in ok)
+    lines = [
+        f"Target ≥ {TARGET_RATIO:g}× at ≤ +{TARGET_DELTA:g} % perplexity: "
+        + (f"MET by {met}" if ok else "NOT MET")
+    ]
     for kind in ("QuantizedKVCache", "prefix-only"):
         int2 = next(r for r in rows if r[0] == f"kvlib int2 {kind}")
-        better = [r for r in pca_rows if r[1] >= int2[1] and r[2] < int2[2]]
-        print(
-            f"Target strictly better perplexity than int2 {kind} ({int2[1]:.2f}×, ppl {int2[2]:.3f}) at "
-            f"equal or higher compression: "
+        better = [r for r in pca_points if r[1] >= int2[1] and r[2] < int2[2]]
+        lines.append(
+            f"Target strictly better perplexity than int2 {kind} ({int2[1]:.2f}×, ppl "
+            f"{int2[2]:.3f}) at equal or higher compression: "
             + (
                 f"MET ({len(better)} PCA points, best ppl {min(r[2] for r in better):.3f})"
                 if better
                 else "NOT MET"
             )
         )
+    return "\n".join(lines)
 
-    if not args.no_json:
-        entry = {
-            "source": "benchmarks/bench_pca.py",
-            "command": "python benchmarks/bench_pca.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
-            "model": "SmolLM2-135M",
-            "settings": {
-                "prefix_tokens": prefix_len,
-                "scored_tokens": next_len,
-                "calibration_tokens": calib_tokens,
-                "reference_perplexity": round(ref, 3),
-                "prefix_fp16_mb": round(fp16 / 1e6, 2),
-            },
-            "rows": {
-                name: _row(ratio, ppl, ref, enc, dec, mse)
-                for name, ratio, ppl, enc, dec, mse, _ in rows
-            },
-        }
-        tqdm.write(f"wrote run 'pca' to {results.record_run('pca', entry)}")
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    kvlib.seed_everything(0)
+    model, tokenizer = load_model()
+    calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
+    assert evaluation[:20_000] not in calib  # disjoint calibration / evaluation text
+    ids = tokenizer(evaluation[:60_000], return_tensors="pt").input_ids
+    prefix = ids[:, : args.prefix_len]
+    nxt = ids[:, args.prefix_len : args.prefix_len + args.next_len]
+
+    steps = 2 + sum(map(len, args.targets.values())) + 4  # bases, PCA points, int widths
+    with bar(total=steps, desc="bench_pca", unit="step") as progress:
+        bases = fit_bases(model, tokenizer, calib, args.refit, progress)
+        cache = compat.prefill_cache(model, prefix, chunk_size=256)
+        ref = quality.continuation_perplexity(model, compat.clone_cache(cache), nxt)
+        nan = float("nan")
+        rows = [("fp16 (uncompressed)", 1.0, ref, nan, nan, "")]
+        rows += pca_rows(model, cache, nxt, bases, args, progress)
+        rows += integer_rows(model, prefix, cache, nxt, progress)
+
+    fp16 = fp16_bytes(cache)
+    print(
+        f"\nprefix {args.prefix_len} tokens ({human_bytes(fp16)} fp16), {args.next_len} scored "
+        f"tokens, reference perplexity {ref:.3f}; torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, {cpu_model()}\n"
+    )
+    print(table(rows, ref))
+    print("\n" + target_lines(rows, ref))
+    if args.no_json:
+        return
+    entry = {
+        "source": "benchmarks/bench_pca.py",
+        "command": "python benchmarks/bench_pca.py " + " ".join(argv or sys.argv[1:]),
+        "machine": machine(),
+        "model": "SmolLM2-135M",
+        "settings": {
+            "prefix_tokens": args.prefix_len,
+            "scored_tokens": args.next_len,
+            "calibration_tokens": CALIB_TOKENS,
+            "reference_perplexity": round(ref, 3),
+            "prefix_fp16_bytes": fp16,
+        },
+        "rows": {
+            name: _row(ratio, ppl, ref, enc, dec, mse) for name, ratio, ppl, enc, dec, mse in rows
+        },
+    }
+    log(f"wrote run 'pca' to {results.record_run('pca', entry)}")
 
 
 def _row(ratio: float, ppl: float, ref: float, enc: float, dec: float, mse: str) -> dict:
@@ -225,7 +279,7 @@ def _row(ratio: float, ppl: float, ref: float, enc: float, dec: float, mse: str)
         "perplexity": round(ppl, 3),
         "perplexity_delta_pct": round(100 * (ppl / ref - 1), 2),
     }
-    if enc == enc:  # not NaN: a timed PCA point
+    if not math.isnan(enc):  # a timed PCA point
         row |= {"encode_s": round(enc, 2), "decode_s": round(dec, 2)}
     if mse:
         predicted, measured = (float(x) for x in mse.split(" / "))

@@ -38,6 +38,8 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -285,77 +287,48 @@ def run_from_log(text: str) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.record_log:
-        entry = run_from_log(Path(args.record_log).read_text(encoding="utf-8"))
-        path = record_run(args.run_name, entry)
-        print(f"run {args.run_name!r} ({len(entry['rows'])} caches) written to {path}")
-        return 0
-    t_start = time.perf_counter()
-    if args.dry_run:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        print("gpu_check: no CUDA device; run with --dry-run for the CPU version", file=sys.stderr)
-        return 2
-    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
-    for name in caches:
-        cache_info(name)  # fail early on a typo
-    shrink: dict[str, Any] = {"num_layers": args.layers}
-    if args.dry_run:
-        shrink.update(vocab_size=512, intermediate_size=256)
-    model = random_model(args.spec, device=device, seed=args.seed, **shrink)
-    dtype = next(model.parameters()).dtype
-    reference = reference_name(dtype)
-    caches = [reference, *(c for c in caches if cache_info(c).family != "dynamic")]
-    dtype_bits = torch.finfo(dtype).bits
-    n_params = sum(p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=gen)
+@dataclass
+class Check:
+    """One run of the check: the model, its prompt ``ids`` (1, context) and the caches compared
+    (the reference first); each section prints as it completes, and ``failed`` records whether
+    any kvlib check failed or raised."""
 
-    import transformers
+    args: argparse.Namespace
+    model: Any
+    ids: torch.Tensor
+    caches: list[str]
+    device: torch.device
+    t_start: float = field(default_factory=time.perf_counter)
+    failed: bool = False
 
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    out = [
-        f"## GPU check{' (dry run, CPU)' if args.dry_run else ''} · {now} · {_device_name(device)}",
-        "",
-        f"Command: `python scripts/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip()
-        + f" · torch {torch.__version__} · transformers {transformers.__version__}",
-        f"Model: random weights of `{args.spec}` ({model.config.num_hidden_layers} layers, "
-        f"{model.config.num_attention_heads} heads, {model.config.num_key_value_heads} KV heads, "
-        f"head_dim {model.config.head_dim}; {n_params / 1e9:.3f} B params, {str(dtype)[6:]}); "
-        f"context {args.context} random tokens, {args.new_tokens} new tokens, "
-        f"median of {args.repeats}. Quality numbers need real weights; these check agreement.",
-        "",
-    ]
-    print("\n".join(out), flush=True)
-    failed = False
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.t_start > self.args.time_limit
 
-    def section(title: str, body: Any) -> None:
-        nonlocal failed
-        elapsed = time.perf_counter() - t_start
+    def section(self, title: str, body: Callable[[], tuple[list[str], bool]]) -> None:
+        """Print section ``title`` and ``body()``'s lines, or that it was skipped (past
+        ``--time-limit``), or its traceback (the other sections still run)."""
+        elapsed = time.perf_counter() - self.t_start
         print(f"### {title}\n", flush=True)
-        if elapsed > args.time_limit:
-            print(f"_skipped: {elapsed:.0f} s elapsed > --time-limit {args.time_limit:.0f} s_\n")
+        if elapsed > self.args.time_limit:
+            print(
+                f"_skipped: {elapsed:.0f} s elapsed > --time-limit {self.args.time_limit:.0f} s_\n"
+            )
             return
         try:
             lines, ok = body()
         except Exception:  # report and go on: the other sections still run
-            failed = True
+            self.failed = True
             print("```\n" + traceback.format_exc() + "```\n", flush=True)
             return
-        failed = failed or not ok
+        self.failed = self.failed or not ok
         print("\n".join(lines) + "\n", flush=True)
 
-    def per_cache(run: Any) -> tuple[list[Any], list[str], bool]:
+    def per_cache(self, run: Callable[[str], list[Any]]) -> tuple[list[Any], list[str], bool]:
         """``run(name)`` for each cache on its own, so that one cache's error (a peer library
         without its GPU kernels, say) is reported and the others still run."""
         rows, errors, ok = [], [], True
-        for name in caches:
-            if time.perf_counter() - t_start > args.time_limit:
+        for name in self.caches:
+            if self.out_of_time():
                 errors.append(f"- {name}: skipped (--time-limit)")
                 continue
             try:
@@ -363,44 +336,47 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - reported, never hidden
                 errors.append(f"- {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
                 ok = ok and not name.startswith(("kvlib", "dynamic"))
-            release_memory(device)
+            release_memory(self.device)
         return rows, (["", "Errors:", *errors] if errors else []), ok
 
-    def correctness() -> tuple[list[str], bool]:
-        tail = 32 if args.dry_run else 64
-        chunk = 64 if args.dry_run else 4096
+    def correctness(self) -> tuple[list[str], bool]:
+        """Each cache's last tokens against DynamicCache's after a chunked prefill."""
+        tail = 32 if self.args.dry_run else 64
+        chunk = 64 if self.args.dry_run else 4096
 
         def run(name: str) -> list[Agreement]:
-            return cache_agreement(model, ids, [name], tail=tail, chunk=chunk)
+            return cache_agreement(self.model, self.ids, [name], tail=tail, chunk=chunk)
 
-        rows, errors, ok = per_cache(run)
+        rows, errors, ok = self.per_cache(run)
         ok = ok and all(r.passed is not False for r in rows if r.cache.startswith("kvlib"))
         head = [
-            f"Chunked prefill of {args.context - tail} tokens ({chunk} per step), then the last "
-            f"{tail} tokens with each cache vs DynamicCache.",
+            f"Chunked prefill of {self.args.context - tail} tokens ({chunk} per step), then the "
+            f"last {tail} tokens with each cache vs DynamicCache.",
             "",
         ]
         return head + correctness_table(rows) + errors, ok
 
-    def speed() -> tuple[list[str], bool]:
+    def speed(self) -> tuple[list[str], bool]:
+        """Each cache's decode speed, time to first token and peak memory."""
+        args = self.args
+
         def run(name: str) -> list[ComparisonRow]:
             return run_cache_comparison(
-                model,
+                self.model,
                 None,
                 [name],
                 prompt_tokens=args.context,
                 new_tokens=args.new_tokens,
-                prompt_ids=ids,
+                prompt_ids=self.ids,
                 repeats=args.repeats,
             )
 
-        rows, errors, ok = per_cache(run)
+        rows, errors, ok = self.per_cache(run)
         if not rows:
             return errors, False
-        kind = rows[0].memory_kind
         peak = (
             "torch.cuda.max_memory_allocated (weights + cache + activations)"
-            if kind == "peak allocated"
+            if rows[0].memory_kind == "peak allocated"
             else "n/a on CPU"
         )
         head = [
@@ -410,10 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         ]
         return head + speed_table(rows) + errors, ok
 
-    def fits() -> tuple[list[str], bool]:
+    def fits(self) -> tuple[list[str], bool]:
+        """The longest context and the largest batch each cache fits in the budget, measured
+        against kvlib.memory's prediction."""
+        args, model = self.args, self.model
         budget = args.budget_gib * 2**30
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        fit_caches = [reference, *(c for c in FIT_CACHES if c in caches)]
+        dtype_bits = torch.finfo(next(model.parameters()).dtype).bits
+        fit_caches = [self.caches[0], *(c for c in FIT_CACHES if c in self.caches)]
         if args.dry_run:  # no allocator to hit: an accounting budget on the same code path
             budget = weights + memory.kv_cache_bytes(
                 spec_from_config(model.config), 2 * args.context, bits=dtype_bits
@@ -443,14 +423,66 @@ def main(argv: list[str] | None = None) -> int:
         ]
         return head + fits_table(rows), True
 
-    section("Correctness against DynamicCache", correctness)
-    section("Memory and speed per cache", speed)
+
+def header(args: argparse.Namespace, argv: list[str] | None, model: Any, device) -> list[str]:
+    """The report's title, command, versions and model lines."""
+    import transformers
+
+    dtype = next(model.parameters()).dtype
+    n_params = sum(p.numel() for p in model.parameters())
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    return [
+        f"## GPU check{' (dry run, CPU)' if args.dry_run else ''} · {now} · {_device_name(device)}",
+        "",
+        f"Command: `python scripts/gpu_check.py {command}`".rstrip()
+        + f" · torch {torch.__version__} · transformers {transformers.__version__}",
+        f"Model: random weights of `{args.spec}` ({model.config.num_hidden_layers} layers, "
+        f"{model.config.num_attention_heads} heads, {model.config.num_key_value_heads} KV heads, "
+        f"head_dim {model.config.head_dim}; {n_params / 1e9:.3f} B params, {str(dtype)[6:]}); "
+        f"context {args.context} random tokens, {args.new_tokens} new tokens, "
+        f"median of {args.repeats}. Quality numbers need real weights; these check agreement.",
+        "",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.record_log:
+        entry = run_from_log(Path(args.record_log).read_text(encoding="utf-8"))
+        path = record_run(args.run_name, entry)
+        print(f"run {args.run_name!r} ({len(entry['rows'])} caches) written to {path}")
+        return 0
+    t_start = time.perf_counter()
+    if args.dry_run:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        print("gpu_check: no CUDA device; run with --dry-run for the CPU version", file=sys.stderr)
+        return 2
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    for name in caches:
+        cache_info(name)  # fail early on a typo
+    shrink: dict[str, Any] = {"num_layers": args.layers}
+    if args.dry_run:
+        shrink.update(vocab_size=512, intermediate_size=256)
+    model = random_model(args.spec, device=device, seed=args.seed, **shrink)
+    reference = reference_name(next(model.parameters()).dtype)
+    caches = [reference, *(c for c in caches if cache_info(c).family != "dynamic")]
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=gen)
+    print("\n".join(header(args, argv, model, device)), flush=True)
+
+    check = Check(args, model, ids, caches, device, t_start)
+    check.section("Correctness against DynamicCache", check.correctness)
+    check.section("Memory and speed per cache", check.speed)
     if not args.no_fits:
-        section("What fits", fits)
-    print(
-        f"_total {time.perf_counter() - t_start:.0f} s; {'FAILED' if failed else 'all checks passed'}_"
-    )
-    return 1 if failed else 0
+        check.section("What fits", check.fits)
+    total = time.perf_counter() - t_start
+    print(f"_total {total:.0f} s; {'FAILED' if check.failed else 'all checks passed'}_")
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":

@@ -3,11 +3,10 @@ RESULTS.md quotes), with and without several perplexity segments."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_eviction.py"
@@ -15,14 +14,7 @@ BENCH = ROOT / "benchmarks" / "bench_eviction.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH.parent))  # the script imports its neighbour ``_machine``
-    try:
-        spec = importlib.util.spec_from_file_location("bench_eviction", BENCH)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    return module
+    return load_script("benchmarks/bench_eviction.py")
 
 
 def _row(delta, acc, fraction, segments=None):
@@ -82,3 +74,64 @@ def test_one_segment_prints_the_single_cost(bench):
     text = bench.markdown_tables(_run(1))
     assert "| evict-h2o-int4@1/4 | +0.500 | 0.95 | 0.47 | 0.250 |" in text.splitlines()
     assert "per segment" not in text
+
+
+def test_factories_name_every_policy_at_every_budget_by_registry_name(bench):
+    from transformers import LlamaConfig
+
+    from kvlib.caches import registry
+    from kvlib.caches.eviction.cache import EvictionCache
+
+    config = LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    names = bench.cache_factories(config, "dynamic-fp32", (2, 4), ["h2o", "tova"], [None])
+    assert list(names)[:5] == ["dynamic-fp32", *bench.QUANT]
+    assert {"evict-h2o@1/2", "evict-tova-int4@1/4"} <= set(names)
+    assert len(names) == 5 + 2 * 2 * 2
+    assert all(registry.cache_info(n).name for n in names)  # every name is the registry's
+    grouped = bench.cache_factories(config, "dynamic-fp32", (4,), ["h2o"], [32], only_int4=True)
+    assert list(grouped) == ["dynamic-fp32", "evict-h2o-int4-g32@1/4"]
+    assert grouped["dynamic-fp32"](100) is None  # the model's own DynamicCache
+    assert isinstance(grouped["evict-h2o-int4-g32@1/4"](256)(), EvictionCache)
+
+
+def test_retrieval_grids_add_the_multi_key_column_at_the_first_context(bench):
+    grids = bench.retrieval_grids((1024, 2048), trials=4, multi_trials=2)
+    assert [c for c, _ in grids] == ["retrieval_1024", "retrieval_2048", "retrieval_multi_1024"]
+    assert grids[2][1] == {"context_tokens": (1024,), "n_keys": bench.MULTI_KEYS, "trials": 2}
+    assert len(bench.retrieval_grids((1024,), trials=4, multi_trials=0)) == 1
+
+
+def test_segment_costs_are_against_the_reference_on_each_segment(bench):
+    measured = {
+        "dynamic-fp32": {"perplexity": 10.0, "perplexity_segments": [10.0, 20.0]},
+        "kvlib-int4": {"perplexity": 10.1, "perplexity_segments": [10.1, 19.8]},
+        "kvtc@1/4": {"retrieval_1024": 1.0},
+    }
+    bench.add_segment_costs(measured, "dynamic-fp32")
+    row = measured["kvlib-int4"]
+    assert row["perplexity_delta_pct_segments"] == pytest.approx([1.0, -1.0])
+    assert row["perplexity_delta_pct_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert row["perplexity_delta_pct_worst"] == pytest.approx(1.0)
+    assert "perplexity_delta_pct" not in measured["kvtc@1/4"]
+
+
+def test_best_rows_rank_retrieval_first_then_perplexity_within_the_budget(bench):
+    def row(acc, mean, fraction):
+        return {"retrieval_1024": acc, "perplexity_delta_pct_mean": mean, "fp16_fraction": fraction}
+
+    measured = {
+        "kvlib-int4": row(1.0, 0.2, 0.34),  # fits 1/2 only
+        "kvlib-int2": row(0.9, 6.0, 0.22),  # fits 1/2 and 1/4
+        "evict-h2o@1/4": row(0.5, 4.0, 0.25),
+        "evict-tova@1/4": row(0.5, 3.0, 0.25),
+        "evict-h2o-int4@1/4": row(1.0, 0.4, 0.25),
+    }
+    best = bench.best_rows(measured, (2, 4), 1024)
+    assert best == {
+        "1/2 quantization": "kvlib-int4",
+        "1/4 quantization": "kvlib-int2",
+        "1/4 eviction": "evict-tova@1/4",
+        "1/4 eviction+int4": "evict-h2o-int4@1/4",
+    }

@@ -5,7 +5,6 @@ nothing written to kvlib/results.json)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 import subprocess
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_kernel.py"
@@ -21,15 +21,7 @@ BENCH = ROOT / "benchmarks" / "bench_kernel.py"
 def test_without_a_gpu_it_says_so_in_one_line() -> None:
     if torch.cuda.is_available():  # pragma: no cover - CPU CI
         return
-    sys.path.insert(0, str(BENCH.parent))  # the script imports its neighbour ``_timing``
-    try:
-        spec = importlib.util.spec_from_file_location("bench_kernel", BENCH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_kernel"] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH.parent))
-        sys.modules.pop("bench_kernel", None)
+    module = load_script("benchmarks/bench_kernel.py")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert module.main([]) == 0

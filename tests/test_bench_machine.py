@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import platform
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from _scripts import load_script
 
 MODULE = Path(__file__).resolve().parents[1] / "benchmarks" / "_machine.py"
 
 
 @pytest.fixture
 def m():
-    spec = importlib.util.spec_from_file_location("_machine", MODULE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/_machine.py")
 
 
 def _lscpu(text: str):

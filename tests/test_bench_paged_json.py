@@ -4,14 +4,13 @@ kvlib/results.json, so that a re-run replaces the committed run like for like.""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from _scripts import load_script
 
 from kvlib import results
 
@@ -21,17 +20,7 @@ BENCHMARKS = ROOT / "benchmarks"
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    added = str(BENCHMARKS) not in sys.path
-    if added:  # the script imports its neighbour ``_timing``
-        sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_paged", BENCHMARKS / "bench_paged.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if added:
-            sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_script("benchmarks/bench_paged.py")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ and ``--costs-only``, which times a recorded run's costs again and keeps its qua
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+from _scripts import load_script
 from _tiny_models import gemma3_config
 from transformers import LlamaConfig
 
@@ -27,10 +27,7 @@ BENCH = ROOT / "benchmarks" / "bench_turboquant.py"
 @pytest.fixture()
 def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """The benchmark module, at 256 tokens and 2 rounds (its neighbours on sys.path)."""
-    monkeypatch.syspath_prepend(str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("bench_turboquant", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/bench_turboquant.py")
     monkeypatch.setattr(module, "CONTEXT", 256)
     monkeypatch.setattr(module, "STEP_ROUNDS", 2)
     yield module

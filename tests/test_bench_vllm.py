@@ -5,13 +5,13 @@ from kvlib (it runs in .venv-vllm); a clear exit without the peer environment.""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 from kvlib import specs
 from kvlib.memory import GIB
@@ -24,14 +24,7 @@ SPEC = specs.get_spec("smollm2-135m")
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH.parent))  # the script imports its neighbour ``bench_engines``
-    try:
-        spec = importlib.util.spec_from_file_location("bench_vllm", BENCH)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    return module
+    return load_script("benchmarks/bench_vllm.py")
 
 
 def test_perplexity_and_deltas(bench):

@@ -258,18 +258,9 @@ def test_reference_name_refuses_other_dtypes():
 
 def test_the_cache_benchmark_names_registry_caches():
     """benchmarks/bench_cache.py compares caches by registry name: no private spellings."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from _scripts import load_script
 
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_cache", bench / "bench_cache.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(bench))
+    module = load_script("benchmarks/bench_cache.py")
     assert cache_registry.check_names(module.BENCH_CACHES)
 
 

@@ -6,13 +6,13 @@ wheel), so no download is needed. This module imports no torch."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,17 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = json.loads((ROOT / "kvlib" / "plan" / "engine_support.json").read_text())
 
 
-def _script():
-    path = ROOT / "scripts" / "engine_support.py"
-    spec = importlib.util.spec_from_file_location("engine_support_script", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _script()
+script = load_script("scripts/engine_support.py", "engine_support_script")
 TYPES = es.llama_cpp_types()
 
 # ------------------------------------------------------------------------------------------------

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_gpu_check():
-    path = ROOT / "scripts" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gpu_check.py")
 
 
 def test_gpu_check_dry_run(capsys):

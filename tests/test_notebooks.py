@@ -15,16 +15,14 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 def _nb_script():
-    spec = importlib.util.spec_from_file_location("kvlab_nb_script", ROOT / "scripts" / "nb.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/nb.py", "kvlab_nb_script")
 
 
 def _code_cells(path: Path) -> list[tuple[int, nbformat.NotebookNode]]:

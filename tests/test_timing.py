@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _timing():
-    spec = importlib.util.spec_from_file_location(
-        "kvlab_timing", ROOT / "benchmarks" / "_timing.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/_timing.py", "kvlab_timing")
 
 
 def test_median_seconds_times_the_call_and_keeps_its_last_result() -> None:
