@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 from _machine import machine
+from _progress import bar, log
 from _states import fill
 from _timing import median_seconds
-from tqdm import tqdm
 from transformers import AutoConfig
 
 import kvlib
@@ -63,12 +63,6 @@ ENGINE = "transformers, with kvlib's re-implementations of vLLM's TurboQuant lay
 CONTEXT = 4096  # tokens at which bytes and the decode step are measured
 STEP_ROUNDS = 5  # rounds of decode-step timings: kvlib-int4 then each cache, per round
 CHUNK = 64
-
-
-def log(line: str) -> None:
-    """A progress line on stdout, above the progress bars (stderr)."""
-    tqdm.write(line)
-    sys.stdout.flush()
 
 
 def bits_and_store(factory: Callable[[], Any], config: Any) -> dict[str, float]:
@@ -122,7 +116,7 @@ def decode_steps(
     steps = {name: stepper(fill(f(), config, CONTEXT, 256)) for name, f in factories.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     base: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in tqdm(range(rounds), desc="decode steps", disable=None):
+    for _ in bar(range(rounds), desc="decode steps"):
         for name, step in steps.items():
             base[name].append(median_seconds(steps["kvlib-int4"], min_run_time=0.2)[0])
             times[name].append(median_seconds(step, min_run_time=0.2)[0])
@@ -147,15 +141,14 @@ def cache_fp16(config: Any) -> int:
 def perplexities(model: Any, segments: list[torch.Tensor], names: list[str]) -> dict[str, list]:
     """``{name: [perplexity per segment]}``, the reference first."""
     out: dict[str, list[float]] = {}
-    bar = tqdm(total=len(names) * len(segments), desc="perplexity", disable=None)
-    for name in names:
-        factory = registry.cache_factory(name, model.config)
-        out[name] = []
-        for seg in segments:
-            out[name].append(quality.perplexity(model, seg, factory(), chunk_size=CHUNK))
-            bar.update()
-        log(f"{name}: " + ", ".join(f"{p:.4f}" for p in out[name]))
-    bar.close()
+    with bar(total=len(names) * len(segments), desc="perplexity") as progress:
+        for name in names:
+            factory = registry.cache_factory(name, model.config)
+            out[name] = []
+            for seg in segments:
+                out[name].append(quality.perplexity(model, seg, factory(), chunk_size=CHUNK))
+                progress.update()
+            log(f"{name}: " + ", ".join(f"{p:.4f}" for p in out[name]))
     return out
 
 
@@ -181,7 +174,7 @@ def measure_all(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, dic
     factories = {n: registry.cache_factory(n, model.config) for n in names}
     steps = decode_steps(factories, model.config)
     rows: dict[str, dict[str, Any]] = {}
-    for name in tqdm(names, desc="bits and storing", disable=None):
+    for name in bar(names, desc="bits and storing"):
         deltas = [100 * (p / r - 1) for p, r in zip(ppl[name], ppl[reference], strict=True)]
         summary = found[name].summary()
         rows[name] = {
@@ -263,7 +256,7 @@ def retime_costs(args: argparse.Namespace) -> None:
     rows = {n: dict(r) for n, r in entry["rows"].items()}
     factories = {n: registry.cache_factory(n, config) for n in rows}
     steps = decode_steps(factories, config)
-    for n in tqdm(rows, desc="bits and storing", disable=None):
+    for n in bar(rows, desc="bits and storing"):
         rows[n].update(cost_fields({**bits_and_store(factories[n], config), **steps[n]}))
     entry["rows"] = rows
     entry["costs_timed"] = {
