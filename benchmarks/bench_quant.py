@@ -215,6 +215,7 @@ def main() -> None:
     if not args.no_json:
         entry = {
             "source": "benchmarks/bench_quant.py",
+            "model": "random Gaussian tensors in SmolLM2-135M's cache shape",
             "command": ("python benchmarks/bench_quant.py " + " ".join(sys.argv[1:])).strip(),
             "machine": machine(),
             "settings": {

@@ -305,6 +305,8 @@ _ENGINES_BY_SOURCE: dict[str, str] = {
     "benchmarks/bench_vllm.py": "vLLM",
     "benchmarks/bench_kernel.py": "kvlib's Triton kernel and torch SDPA",
     "benchmarks/bench_turboquant.py": "transformers",
+    "benchmarks/bench_paged.py": "kvlib's reference PagedAttention",
+    "benchmarks/bench_quant.py": "kvlib's, quanto's and HQQ's quantizers in torch",
 }
 
 

@@ -196,8 +196,8 @@ def _kvlib_entries() -> list[CacheInfo]:
                     bits,
                     32,
                     window,
-                    f"kvlib int{bits}, one key group per {residual}-token block, value groups "
-                    "of 32, no rotation (the KIVI layout)",
+                    f"kvlib int{bits}, one key scale per channel per {residual}-token block "
+                    "(coarser than KIVI's 32-token key groups), value groups of 32, no rotation",
                     MappingProxyType(block),
                 )
             )
@@ -239,8 +239,8 @@ def _hf_entries() -> list[CacheInfo]:
                 bits,
                 group,
                 residual,
-                f"transformers QuantizedCache, HQQ int{bits}, axes 1/1 (HQQ's recommended "
-                f"axis), groups of {group}, {residual}-token window",
+                f"transformers QuantizedCache, HQQ int{bits}, axes 1/1 (per token; the axis "
+                f"HQQ's README starts weights at), groups of {group}, {residual}-token window",
                 MappingProxyType({"axis_key": 1, "axis_value": 1}),
             )
         )

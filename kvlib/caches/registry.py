@@ -14,11 +14,11 @@ name                          cache
 ``kvlib-int4-rot``/``-norot`` the same with the Hadamard rotation of the keys on / off
 ``kvlib-int4-w64`` …         a 64-token window and one key group per 64-token block (half
 ``-int2-w64``                 the window's bytes)
-``kvlib-int4-block``          one key group per 128-token block, value groups of 32, no
-                              rotation: the KIVI layout
+``kvlib-int4-block``          one key group per 128-token block (coarser than KIVI's
+                              32-token key groups), value groups of 32, no rotation
 ``quanto-int4``, ``-int2``    transformers' ``QuantizedCache``, quanto backend, default axes
 ``hqq-int8`` … ``-int2``      the same with the HQQ backend, default axes (0/0)
-``hqq-int4-axis1``            HQQ with axes 1/1 (HQQ's recommended axis)
+``hqq-int4-axis1``            HQQ with axes 1/1 (the axis HQQ's README starts weights at)
 ``hf-fp8``                    transformers' fp8 cache (float8_e4m3fn, one scale per tensor)
 ``turboquant-4bit-nc`` …      :class:`kvlib.caches.turboquant.TurboQuantCache` as vLLM 0.32 runs
                               its ``--kv-cache-dtype turboquant_*`` options (``-k8v4``,

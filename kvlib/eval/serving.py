@@ -445,7 +445,8 @@ def simulate_serving(
         block_size: tokens per block (``"paged"`` only).
         bytes_per_token: KV bytes of one token over all layers (default: SmolLM2-135M, fp16).
         max_len: the engine's maximum sequence length (what ``"contiguous-max"`` reserves).
-        max_num_seqs: cap on running sequences (vLLM's default is 256).
+        max_num_seqs: cap on running sequences (vLLM's default on most GPUs; 1,024 on cards of 70 GiB
+            or more other than the A100).
         share_prefix: parallel samples fork the prompt's blocks (``"paged"`` only).
         watermark: fraction of blocks kept free when admitting (paged), to avoid instant preemption.
 

@@ -21,7 +21,7 @@ from kvlib.plan.rule import KV_SETTINGS
 
 __all__ = [
     "DECODE_REFERENCE",
-    "DECODE_ROW",
+    "DECODE_ROWS",
     "decode_speed_note",
     "fmt_pct",
     "kv_label",
@@ -166,28 +166,33 @@ def segment_deltas(cost: Mapping[str, Any]) -> list[float]:
     return [float(x) for x in seg] if len(seg) >= 2 else []
 
 
-#: The row of the kernel run's whole-model decode (``model_decode``) that a plan on transformers
-#: with kvlib's cache runs (the torch path, not notebook 10's fused kernel), and its reference.
-DECODE_ROW, DECODE_REFERENCE = "kvlib-int4 torch path", "dynamic-bf16"
+#: The rows of the kernel run's whole-model decode (``model_decode``) that a plan on transformers
+#: with kvlib's cache runs: notebook 10's fused kernel (the cache's default on a CUDA GPU with
+#: Triton), then the torch path that dequantizes first (on a CPU, or ``fused_decode=False``),
+#: and their reference.
+DECODE_ROWS, DECODE_REFERENCE = ("kvlib-int4 fused", "kvlib-int4 torch path"), "dynamic-bf16"
 
 
 def decode_speed_note(results: Mapping[str, Any]) -> str | None:
     """The measured speed of kvlib's cache in transformers against the 16-bit cache (the kernel
-    run's ``model_decode``: a whole model decoding on a GPU), or None where it is not measured."""
+    run's ``model_decode``: a whole model decoding on a GPU), fused kernel and torch path, or
+    None where they are not measured."""
     run = kvresults.run("kernel", results)
     decode = run.get("model_decode")
     rows = decode.get("rows", {}) if isinstance(decode, Mapping) else {}
-    q, ref = rows.get(DECODE_ROW), rows.get(DECODE_REFERENCE)
-    if not (isinstance(q, Mapping) and isinstance(ref, Mapping)):
+    (fused, torch_path), ref = (rows.get(n) for n in DECODE_ROWS), rows.get(DECODE_REFERENCE)
+    if not all(isinstance(r, Mapping) for r in (fused, torch_path, ref)):
         return None
     return (
-        "speed: in transformers kvlib's caches buy memory, not speed: they dequantize every "
-        f"block at every step; on {decode['model']}'s shape (random weights) at "
-        f"{decode['context']:,} tokens, kvlib-int4 decoded {q['decode_tokens_per_s']:g} tokens/s "
-        f"against the bf16 cache's {ref['decode_tokens_per_s']:g}, and its first token came after "
-        f"{q['time_to_first_token_s']:.1f} s against {ref['time_to_first_token_s']:.1f} s "
-        f"(whole-model decode in transformers on {kvresults.device(run)}, measured "
-        f"{run.get('date', '?')} by {run.get('source', '?')})"
+        "speed: in transformers kvlib's caches buy memory, not speed: on "
+        f"{decode['model']}'s shape (random weights) at {decode['context']:,} tokens, kvlib-int4 "
+        f"decoded {fused['decode_tokens_per_s']:g} tokens/s with its default fused kernel "
+        f"({torch_path['decode_tokens_per_s']:g} on the torch path, which dequantizes every block "
+        f"at every step) against the bf16 cache's {ref['decode_tokens_per_s']:g}, and its first "
+        f"token came after {fused['time_to_first_token_s']:.1f} s "
+        f"({torch_path['time_to_first_token_s']:.1f} s) against "
+        f"{ref['time_to_first_token_s']:.1f} s (whole-model decode in transformers on "
+        f"{kvresults.device(run)}, measured {run.get('date', '?')} by {run.get('source', '?')})"
     )
 
 
