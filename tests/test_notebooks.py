@@ -445,3 +445,34 @@ def test_every_exercise_is_checked_in_the_class_copy(path: Path) -> None:
         assert re.search(rf"exercise {n}: not (attempted )?yet", shown), (
             f"{path.name}: exercise {n}"
         )
+
+
+_HEADING = re.compile(r"(?m)^## (?:\d+\. )?(.+?)\s*$")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_notebook_follows_the_series_skeleton(path: Path) -> None:
+    """STYLE.md's skeleton: a numbered title with abstract, goals, prerequisites and CPU time;
+    then the body; Self-checks (with code that asserts), Exercises and Summary, in that order;
+    and a "Next:" link last."""
+    cells = nbformat.read(path, as_version=4).cells
+    first = cells[0].source
+    assert first.startswith(f"# {path.name[:2]} · "), "a numbered title first"
+    for label in (
+        "**Abstract.**",
+        "**Learning goals**",
+        "**Prerequisites:**",
+        "**Estimated CPU time:**",
+    ):
+        assert label in first, f"the first cell has no {label}"
+    where = {}
+    for i, cell in enumerate(cells):
+        if cell.cell_type == "markdown":
+            for name in _HEADING.findall(cell.source):
+                where.setdefault(name, i)
+    order = [where.get(name) for name in ("Self-checks", "Exercises", "Summary")]
+    assert None not in order, f"headings found: {sorted(where)}"
+    assert order == sorted(order), "Self-checks, then Exercises, then Summary"
+    checks = cells[order[0] + 1 : order[1]]
+    assert any(c.cell_type == "code" and "assert" in c.source for c in checks), "self-checks assert"
+    assert cells[-1].source.startswith("**Next:**")
