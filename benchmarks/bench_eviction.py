@@ -21,12 +21,21 @@ variant (4 keys, one asked) at ~1k; budgets are taken from the fp16 bytes of eac
 Every cache answers the same prompts, with one prefill per prompt shared by all of them
 (:func:`kvlib.eval.retrieval.compare_retrieval`, exact).
 
-Writes run ``"eviction"`` of ``kvlib/results.json`` (rows keyed ``<registry name>@1/<k>`` for
-eviction and transform coding, by registry name for quantization and the reference), and
-prints a Markdown table with the best row of each family at each budget.
+On a model with sliding-window layers (``--model gemma-3-270m``, after ``make gemma``) every
+cache keeps the sliding layers' windows whole in float16, and a budget is a share of the
+full-attention layers' fp16 bytes (:func:`budget_bytes`): the windows alone are 56 % of Gemma 3
+270M's fp16 cache at 2,048 tokens, so a share of the whole could not hold them at 1/2. The
+tables then add the global layers' share beside the whole cache's, and rank by it. Transform
+coding is left out there (:mod:`kvlib.kvtc` codes full-attention layers only).
+
+Writes run ``"eviction"`` of ``kvlib/results.json`` (``"eviction/<model>"`` for another
+model; rows keyed ``<registry name>@1/<k>`` for eviction and transform coding, by registry name
+for quantization and the reference), and prints a Markdown table with the best row of each
+family at each budget.
 
     .venv/bin/python benchmarks/bench_eviction.py            # 2048 tokens, 1k + 2k retrieval
     .venv/bin/python benchmarks/bench_eviction.py --quick    # 1024 tokens, 1/4 and 1/8, 1k
+    .venv/bin/python benchmarks/bench_eviction.py --model gemma-3-270m
 
 Peer: kvpress 0.5.5 pins ``transformers<5.3`` and cannot share this environment; it runs in its
 own virtual environment (``make kvpress-peer``, ``benchmarks/bench_kvpress.py``, run
@@ -66,23 +75,43 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 MULTI_KEYS = 4
 
 
+def global_nbytes(cache: Any, config: Any) -> int:
+    """Bytes a cache holds in its full-attention layers (one cache layer per model layer)."""
+    kinds = kvlib.compat.layer_types(config)
+    if len(cache.layers) != len(kinds):
+        raise ValueError(f"{type(cache).__name__} does not hold one layer per model layer")
+    return sum(
+        kvlib.compat.layer_nbytes(layer)
+        for layer, kind in zip(cache.layers, kinds, strict=True)
+        if kind == "full_attention"
+    )
+
+
 def perplexity_row(model, segments: list[torch.Tensor], factory) -> dict:
     """Chunked perplexity with a fresh cache on each text segment (``[1, tokens]`` ids each),
-    and the cache's bytes at the end of the first."""
+    and the cache's bytes at the end of the first; on a model with sliding-window layers also
+    ``global_fp16_fraction``, the full-attention layers' bytes over their fp16 bytes (what a
+    budget over the global layers is a share of: :func:`budget_bytes`)."""
     t0 = time.perf_counter()
-    ppl, n = [], None
+    ppl, n, first = [], None, None
     for ids in segments:
         cache = factory()
         with eviction.capture_queries(model):
             ppl.append(quality.perplexity(model, ids, cache=cache, chunk_size=64))
-        n = kvlib.compat.cache_nbytes(cache) if n is None else n
-    return {
+        n, first = (kvlib.compat.cache_nbytes(cache), cache) if n is None else (n, first)
+    config, held = model.config, segments[0].shape[1] - 1
+    fp16 = cache_registry.fp16_bytes(config, held)
+    row = {
         "perplexity": ppl[0],
         "perplexity_segments": ppl,
         "nbytes": n,
-        "fp16_fraction": n / cache_registry.fp16_bytes(model.config, segments[0].shape[1] - 1),
+        "fp16_fraction": n / fp16,
         "seconds": time.perf_counter() - t0,
     }
+    windows = cache_registry.window_fp16_bytes(config, held)
+    if windows:
+        row["global_fp16_fraction"] = global_nbytes(first, config) / (fp16 - windows)
+    return row
 
 
 def _rounded(v):
@@ -136,6 +165,8 @@ def markdown_tables(run: dict) -> str:
     columns = RetrievalColumn.of(next(iter(rows.values())))
     cols = [str(c) for c in columns]
     segs = settings.get("segments", 1) > 1
+    hybrid = any("global_fp16_fraction" in r for r in rows.values())
+    bytes_head = "bytes / fp16 | global layers / fp16" if hybrid else "bytes / fp16"
     heads = [f"retrieval {'multi ' if c.multi else ''}@{c.context}" for c in columns]
     ppl_head = "Δ perplexity, mean (%) | per segment (%)" if segs else "Δ perplexity (%)"
 
@@ -147,45 +178,53 @@ def markdown_tables(run: dict) -> str:
         each = " / ".join(f"{d:+.2f}" for d in r["perplexity_delta_pct_segments"])
         return f"{r['perplexity_delta_pct_mean']:+.3f} | {each}"
 
-    def fraction(r: dict) -> float:  # bytes over fp16: at the perplexity length if live
-        return r["fp16_fraction"] if "fp16_fraction" in r else r[f"{cols[0]}_fp16_fraction"]
+    def fraction(r: dict) -> str:  # bytes over fp16: at the perplexity length if live
+        whole = r["fp16_fraction"] if "fp16_fraction" in r else r[f"{cols[0]}_fp16_fraction"]
+        if not hybrid:
+            return f"{whole:.3f}"
+        return f"{whole:.3f} | " + (
+            f"{r['global_fp16_fraction']:.3f}" if "global_fp16_fraction" in r else "n/a"
+        )
 
     def ci(r: dict, c: str) -> str:
         return f"{r[c]:.2f} [{r[f'{c}_ci'][0]:.2f}, {r[f'{c}_ci'][1]:.2f}]"
 
     reference = str(results.reference(run))
-    n_cols = 2 + segs + len(cols)
+    n_cols = 2 + segs + len(cols) + hybrid
     lines = [
         f"| budget | family | best row | {ppl_head} | "
         + " | ".join(f"{h} [95 % CI]" for h in heads)
-        + " | bytes / fp16 |",
+        + f" | {bytes_head} |",
         "|---|---|---|" + "---|" * n_cols,
         f"| 1 | reference | {reference} | {ppl(rows[reference])} | "
         + " | ".join(ci(rows[reference], c) for c in cols)
-        + f" | {fraction(rows[reference]):.3f} |",
+        + f" | {fraction(rows[reference])} |",
     ]
     for key, row_key in results.best(run).items():
         r = rows[str(row_key)]
         lines.append(
             f"| {key.budget} | {key.family} | {row_key} | {ppl(r)} | "
             + " | ".join(ci(r, c) for c in cols)
-            + f" | {fraction(r):.3f} |"
+            + f" | {fraction(r)} |"
         )
     lines += [
         "",
         "Every row of the run:",
         "",
-        f"| cache | {ppl_head} | " + " | ".join(heads) + " | bytes / fp16 |",
+        f"| cache | {ppl_head} | " + " | ".join(heads) + f" | {bytes_head} |",
         "|---|" + "---|" * n_cols,
     ]
     for n, r in rows.items():
         accs = " | ".join(f"{r[c]:.2f}" for c in cols)
-        lines.append(f"| {n} | {ppl(r)} | {accs} | {fraction(r):.3f} |")
+        lines.append(f"| {n} | {ppl(r)} | {accs} | {fraction(r)} |")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--model", default=kvlib.models.DEFAULT_MODEL, choices=kvlib.models.OFFLINE_MODELS
+    )
     ap.add_argument("--quick", action="store_true", help="1024 tokens, budgets 1/4 and 1/8, 1k")
     ap.add_argument("--tokens", type=int, default=None, help="perplexity tokens (default 2048)")
     ap.add_argument(
@@ -210,7 +249,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="channels per scale of the -int4 rows (default: the registry's); a row per size",
     )
     ap.add_argument("--only-int4", action="store_true", help="no quantization or float rows")
-    ap.add_argument("--run-name", default="eviction", help="the run written to results.json")
+    ap.add_argument(
+        "--run-name",
+        default=None,
+        help="the run written to results.json (default: 'eviction', 'eviction/<model>')",
+    )
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
     ap.add_argument(
         "--print-run",
@@ -225,6 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.int4_groups = args.int4_groups or [None]
     args.contexts = tuple(args.contexts or ((1024,) if args.quick else (1024, 2048)))
     args.trials = args.trials or (2 if args.quick else 4)
+    args.run_name = args.run_name or results.run_name("eviction", args.model)
     return args
 
 
@@ -239,8 +283,9 @@ def cache_factories(
 ) -> dict[str, Callable[[int], Any]]:
     """Row name -> a factory of a fresh cache for a context of ``t`` tokens: the reference
     (None: the model's own DynamicCache) and kvlib's quantized caches unless ``only_int4``,
-    then every policy at each budget 1/k of ``fractions``, in float16 (unless ``only_int4``)
-    and on int4 (a row per group size of ``groups``; None: the registry's)."""
+    then every policy at each budget 1/k of ``fractions`` (:func:`budget_bytes`), in float16
+    (unless ``only_int4``) and on int4 (a row per group size of ``groups``; None: the
+    registry's). Rows are keyed ``<registry name>@1/<k>``."""
     factories: dict[str, Callable[[int], Any]] = {reference: lambda _t: None}
     for name in () if only_int4 else QUANT:
         factories[name] = lambda _t, n=name: cache_registry.cache_factory(n, config)
@@ -251,12 +296,23 @@ def cache_factories(
                 name = f"evict-{policy}{suffix}"
                 options = {} if g is None else {"group_size": g}
 
-                def factory_for(t, n=f"{name}@1/{k}", options=options):
-                    return cache_registry.cache_factory(n, config, tokens=t, **options)
+                def factory_for(t, n=name, k=k, options=options):
+                    limit = budget_bytes(config, t, k)
+                    return cache_registry.cache_factory(n, config, max_bytes=limit, **options)
 
                 label = name if g is None else f"{name}-g{g}"
                 factories[f"{label}@1/{k}"] = factory_for
     return factories
+
+
+def budget_bytes(config: Any, tokens: int, k: int) -> int:
+    """``max_bytes`` of the budget 1/k at ``tokens`` tokens: a share of the full-attention layers'
+    fp16 bytes, the sliding layers' windows kept whole
+    (:func:`kvlib.caches.registry.share_bytes`, ``of="global"``). On a model with no sliding
+    layers that is 1/k of the whole fp16 cache, the registry's ``evict-<policy>@1/k``; on Gemma
+    3 270M the windows alone are 56 % of the fp16 cache at 2,048 tokens, so a share of the
+    whole could not hold them at 1/2."""
+    return cache_registry.share_bytes(config, tokens, Fraction(1, k), of="global")
 
 
 def retrieval_grids(
@@ -300,11 +356,14 @@ def best_rows(
 ) -> dict[str, str]:
     """``"1/<k> <family>"`` -> the best row of each family within each budget: the highest
     retrieval at ``first_context`` tokens, then the lesser mean perplexity cost. Quantization
-    rows count at every budget their bytes fit; the others only at their own."""
+    rows count at every budget their bytes fit (on a model with sliding-window layers, their
+    global layers' bytes: the budget's share, :func:`budget_bytes`); the others only at their
+    own."""
 
     def fraction(row: dict) -> float:  # bytes over fp16: at the perplexity length if live
-        if "fp16_fraction" in row:
-            return row["fp16_fraction"]
+        for key in ("global_fp16_fraction", "fp16_fraction"):
+            if key in row:
+                return row[key]
         return row[f"retrieval_{first_context}_fp16_fraction"]
 
     best = {}
@@ -329,9 +388,14 @@ def best_rows(
     return best
 
 
-def run_settings(args: argparse.Namespace, kvtc: bool) -> dict[str, Any]:
+def run_settings(args: argparse.Namespace, kvtc: bool, hybrid: bool) -> dict[str, Any]:
     """The run's settings as the results file records them (``seconds`` added at the end)."""
     return {
+        "budget_of": (
+            "the full-attention layers' fp16 bytes, the sliding windows kept whole in fp16"
+            if hybrid
+            else "the fp16 cache's bytes"
+        ),
         "tokens": args.tokens,
         "segments": args.segments,
         "chunk": 64,
@@ -365,8 +429,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     kvlib.seed_everything(0)
     t_start = time.perf_counter()
-    model, tok = kvlib.models.load_model(device="cpu")
+    model, tok = kvlib.models.load_model(args.model, device="cpu")
     config, tokens = model.config, args.tokens
+    hybrid = cache_registry.window_fp16_bytes(config, tokens - 1) > 0
     calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
     all_ids = tok(evaluation[: tokens * args.segments * 8 + 1000], return_tensors="pt").input_ids
     if all_ids.shape[1] < tokens * args.segments:
@@ -375,7 +440,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     segments = [all_ids[:, i * tokens : (i + 1) * tokens] for i in range(args.segments)]
     basis = None
-    if not args.no_kvtc:
+    if hybrid and not args.no_kvtc:
+        log("transform coding left out: kvlib.kvtc codes full-attention layers only")
+    if not (args.no_kvtc or hybrid):
         t0 = time.perf_counter()
         basis = pca.fit_kv_pca(model, tok, calib, cross_layer=False, max_tokens=4096)
         log(f"PCA basis fitted on 4096 calibration tokens in {time.perf_counter() - t0:.0f} s")
@@ -403,9 +470,9 @@ def main(argv: list[str] | None = None) -> None:
         "source": "benchmarks/bench_eviction.py",
         "command": " ".join(["python", "benchmarks/bench_eviction.py", *(argv or sys.argv[1:])]),
         "machine": machine(args.threads),
-        "model": "SmolLM2-135M-Instruct (bundled)",
+        "model": kvlib.models.offline_model(args.model).title,
         "settings": {
-            **run_settings(args, basis is not None),
+            **run_settings(args, basis is not None, hybrid),
             "seconds": round(time.perf_counter() - t_start),
         },
         "rows": {n: {k: _rounded(v) for k, v in r.items()} for n, r in measured.items()},

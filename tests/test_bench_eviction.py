@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from _scripts import load_script
+from _tiny_models import gemma3_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_eviction.py"
@@ -134,4 +135,68 @@ def test_best_rows_rank_retrieval_first_then_perplexity_within_the_budget(bench)
         "1/4 quantization": "kvlib-int2",
         "1/4 eviction": "evict-tova@1/4",
         "1/4 eviction+int4": "evict-h2o-int4@1/4",
+    }
+
+
+def test_on_a_hybrid_model_budgets_share_the_global_layers_and_keep_the_windows(bench):
+    from kvlib.caches import registry
+
+    config = gemma3_config(window=16)
+    names = bench.cache_factories(config, "dynamic-fp32", (2, 4), ["streaming"], [None])
+    windows = registry.window_fp16_bytes(config, 40)
+    assert windows > registry.fp16_bytes(config, 40) // 2  # half the whole cannot hold them
+    for k in (2, 4):
+        cache = names[f"evict-streaming@1/{k}"](40)()
+        assert cache.max_bytes == bench.budget_bytes(config, 40, k)
+        assert cache.max_bytes == windows + (registry.fp16_bytes(config, 40) - windows) // k
+
+
+def test_global_bytes_count_the_full_attention_layers_only(bench):
+    import torch
+    import transformers
+
+    from kvlib import compat
+    from kvlib.caches import registry
+
+    config = gemma3_config(window=16)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    segments = [torch.randint(0, config.vocab_size, (1, 65))]
+    row = bench.perplexity_row(model, segments, lambda: compat.dynamic_cache(config))
+    # a float32 DynamicCache: twice the fp16 bytes in its one global layer
+    assert row["global_fp16_fraction"] == pytest.approx(2.0)
+    assert row["fp16_fraction"] < 2.0  # the sliding layers keep one token fewer (transformers)
+    cache = registry.make_cache("evict-streaming", config, budget=20)
+    with pytest.raises(ValueError, match="one layer per model layer"):
+        bench.global_nbytes(compat.dynamic_cache(), config)
+    assert bench.global_nbytes(cache, config) == 0  # nothing held yet
+
+
+def test_hybrid_runs_print_the_global_share_and_rank_by_it(bench):
+    run = _run(3)
+    for name, fraction in (("dynamic-fp32", 2.0), ("evict-h2o-int4@1/4", 0.25)):
+        run["rows"][name]["global_fp16_fraction"] = fraction
+        run["rows"][name]["fp16_fraction"] = 0.9 if fraction < 1 else 2.0
+    text = bench.markdown_tables(run)
+    assert text.splitlines()[0].endswith("| bytes / fp16 | global layers / fp16 |")
+    assert "| kvtc@1/4 | n/a | n/a | 0.90 | 0.60 | 0.224 | n/a |" in text.splitlines()
+    assert "| 0.95 [0.47, 1.00] | 0.47 [0.00, 0.95] | 0.900 | 0.250 |" in text
+    tables = [[ln for ln in b.splitlines() if ln.startswith("|")] for b in text.split("\n\n")]
+    for table in filter(None, tables):
+        assert {ln.count("|") for ln in table} == {table[0].count("|")}
+
+    def row(acc, mean, whole, glob):
+        return {
+            "retrieval_1024": acc,
+            "perplexity_delta_pct_mean": mean,
+            "fp16_fraction": whole,
+            "global_fp16_fraction": glob,
+        }
+
+    measured = {  # whole-cache fractions over 1/2: the windows; the global shares decide
+        "kvlib-int4": row(1.0, 0.1, 0.88, 0.40),
+        "evict-h2o@1/2": row(0.5, 0.3, 0.90, 0.50),
+    }
+    assert bench.best_rows(measured, (2, 4), 1024) == {
+        "1/2 quantization": "kvlib-int4",
+        "1/2 eviction": "evict-h2o@1/2",
     }

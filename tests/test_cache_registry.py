@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 import re
+from fractions import Fraction
 
 import pytest
 import torch
 import transformers
 from _synthetic_kv import correlated_layers
+from _tiny_models import gemma3_config
 
 from kvlib import compat
 from kvlib.caches import layout as cache_layout
@@ -341,3 +343,79 @@ def test_kvtc_bad_options_are_refused(config, kvtc_basis, name, options, error, 
     options = {k: kvtc_basis if v == "B" else v for k, v in options.items()}
     with pytest.raises(error, match=match):
         cache_registry.cache_factory(name, config, **options)
+
+
+# ------------------------------------------------ budgets on a model with sliding layers
+
+
+def _tiny_llama() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+
+
+def test_window_bytes_are_what_a_dynamic_cache_holds_in_its_sliding_layers():
+    config = gemma3_config(window=16)
+    cache = compat.dynamic_cache(config)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 40))
+    with torch.no_grad():
+        compat.forward(model, ids, cache=cache)
+    kinds = compat.layer_types(config)
+    sliding = sum(
+        compat.layer_nbytes(layer)
+        for layer, kind in zip(cache.layers, kinds, strict=True)
+        if kind == "sliding_attention"
+    )
+    # the float32 model's windows hold twice the float16 bytes; transformers' sliding layer
+    # keeps one token fewer between steps than attention reads (kvlib.memory's docstring)
+    held = cache_registry.window_fp16_bytes(config, 40) * (config.sliding_window - 1)
+    assert 2 * held == sliding * config.sliding_window
+    llama = _tiny_llama()
+    assert cache_registry.window_fp16_bytes(llama, 40) == 0
+
+
+@pytest.mark.parametrize("tokens", [8, 16, 17, 300])
+@pytest.mark.parametrize("k", [1, 2, 4, 16])
+def test_a_global_share_keeps_the_windows_whole_and_shares_the_rest(tokens, k):
+    config = gemma3_config(window=16)
+    whole = cache_registry.fp16_bytes(config, tokens)
+    windows = cache_registry.window_fp16_bytes(config, tokens)
+    share = Fraction(1, k)
+    got = cache_registry.share_bytes(config, tokens, share, of="global")
+    assert got == windows + (whole - windows) // k
+    assert cache_registry.share_bytes(config, tokens, share) == whole // k
+    assert cache_registry.share_bytes(config, tokens, share, of="global") >= whole // k
+    llama = _tiny_llama()  # no sliding layers: the two shares are one
+    assert cache_registry.share_bytes(llama, tokens, share, of="global") == (
+        cache_registry.share_bytes(llama, tokens, share)
+    )
+
+
+def test_a_global_share_is_a_budget_an_eviction_cache_meets():
+    config = gemma3_config(window=16)
+    limit = cache_registry.share_bytes(config, 200, Fraction(1, 4), of="global")
+    # the full layer keeps about a quarter of the tokens: a little less, as every kept token
+    # also holds its position (and H2O its score) beside its float16 key and value
+    for policy in ("streaming", "h2o"):
+        cache = cache_registry.make_cache(f"evict-{policy}", config, max_bytes=limit)
+        assert 200 // 4 - 3 <= cache.budget < 200 // 4
+    with pytest.raises(ValueError, match="max_bytes .* holds no token"):
+        cache_registry.make_cache(
+            "evict-h2o",
+            config,
+            max_bytes=cache_registry.share_bytes(config, 200, Fraction(1, 4)),  # of the whole
+        )
+
+
+@pytest.mark.parametrize(
+    ("share", "of", "match"),
+    [
+        (0.25, "cache", "Fraction"),
+        (Fraction(3, 2), "cache", "Fraction"),
+        (Fraction(1, 2), "all", "'cache' or 'global'"),
+    ],
+)
+def test_share_bytes_refuses_bad_arguments(share, of, match):
+    with pytest.raises(ValueError, match=match):
+        cache_registry.share_bytes(_tiny_llama(), 16, share, of=of)

@@ -109,6 +109,8 @@ __all__ = [
     "fp16_bytes",
     "make_cache",
     "reference_name",
+    "share_bytes",
+    "window_fp16_bytes",
 ]
 
 
@@ -183,6 +185,55 @@ def fp16_bytes(config: Any, tokens: int) -> int:
     return memory.kv_cache_bytes(spec_from_config(config.get_text_config(decoder=True)), tokens)
 
 
+def share_bytes(config: Any, tokens: int, share: Fraction, *, of: str = "cache") -> int:
+    """The bytes of a budget of ``share`` (``Fraction(1, 4)``) of an fp16 cache of ``tokens``
+    tokens of one sequence.
+
+    ``of="cache"`` is what a budgeted name means (``evict-h2o@1/4``): ``share`` of
+    :func:`fp16_bytes`. ``of="global"`` is a budget over the full-attention layers: the
+    sliding-window layers' fp16 windows whole (they hold what the model reads anyway, and
+    :class:`~kvlib.caches.eviction.cache.EvictionCache` sets them aside first), plus ``share`` of
+    the full layers' fp16 bytes. On a hybrid model a share of the whole cache can be smaller
+    than its windows (Gemma 3 270M at 2,048 tokens: the windows are 56 % of the fp16 cache, so
+    no eviction cache can keep a half of it); on a model with no sliding layers the two are
+    equal.
+
+    Raises:
+        TypeError / ValueError: not a transformers config, ``tokens`` not an int >= 1, a share
+            that is not a Fraction in (0, 1], or ``of`` not ``"cache"`` / ``"global"``.
+    """
+    if not isinstance(share, Fraction) or not 0 < share <= 1:
+        raise ValueError(f"share must be a Fraction in (0, 1] (got {share!r})")
+    if of not in ("cache", "global"):
+        raise ValueError(f"of must be 'cache' or 'global' (got {of!r})")
+    whole = fp16_bytes(config, tokens)
+    if of == "cache":
+        return whole * share.numerator // share.denominator
+    windows = window_fp16_bytes(config, tokens)
+    return windows + (whole - windows) * share.numerator // share.denominator
+
+
+def window_fp16_bytes(config: Any, tokens: int) -> int:
+    """The part of :func:`fp16_bytes` that the sliding-window layers hold (their last
+    ``min(tokens, sliding_window)`` tokens each; 0 on a model with no sliding layers). The
+    rest, ``fp16_bytes(config, tokens) - window_fp16_bytes(config, tokens)``, is the
+    full-attention layers' share, which grows with the context.
+
+    Raises:
+        TypeError / ValueError: not a transformers config, or ``tokens`` not an int >= 1.
+    """
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(f"config must be a transformers config (got {type(config).__name__})")
+    check_int(tokens, "tokens", minimum=1)
+    spec = spec_from_config(config.get_text_config(decoder=True))
+    window_tokens = sum(
+        t
+        for kind, t in zip(spec.layer_kinds, spec.tokens_cached(tokens), strict=True)
+        if kind == "sliding"
+    )
+    return window_tokens * 2 * spec.num_kv_heads * spec.head_dim * 2  # keys and values, fp16
+
+
 def _eviction_factory(
     info: CacheInfo,
     config: Any,
@@ -203,7 +254,7 @@ def _eviction_factory(
                 f"{info.name}@{share} already has a budget: pass budget=/max_bytes= to the "
                 "bare name instead"
             )
-        merged["max_bytes"] = fp16_bytes(config, tokens) * share.numerator // share.denominator
+        merged["max_bytes"] = share_bytes(config, tokens, share)
     elif tokens is not None:
         raise ValueError(f"tokens= sets a fractional budget: name it, as in {info.name}@1/4")
     tokens_budget = merged.pop("budget", None)
