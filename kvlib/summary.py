@@ -17,6 +17,7 @@ from typing import Any
 from kvlib import results as kvresults
 from kvlib.keys import BestKey
 from kvlib.memory import kv_bytes_per_token
+from kvlib.plan.measured import DECODE_ROWS
 from kvlib.plan.rule import KV_SETTINGS
 from kvlib.specs import get_spec
 
@@ -72,7 +73,7 @@ def _kernel_line(results: Mapping[str, Any]) -> TechniqueLine:
     run = kvresults.run("kernel", results)
     row = run["attention"]["b1-32768"]
     decode = run["model_decode"]["rows"]
-    fused, torch_path = decode["kvlib-int4 fused"], decode["kvlib-int4 torch path"]
+    fused, torch_path = (decode[name] for name in DECODE_ROWS)
     return TechniqueLine(
         "Fused decode kernel (10)",
         f"reads {row['fp16_bytes'] / row['int4_bytes']:.3g}× fewer bytes per step at int4 than fp16 "
