@@ -52,6 +52,7 @@ __all__ = [
     "max_context",
     "quantized_cache_bytes",
     "vllm_kv_capacity_tokens",
+    "window_bytes",
 ]
 
 #: Bytes in one GiB (2³⁰): kvlib's unit of GPU memory.
@@ -205,6 +206,28 @@ def kv_cache_bytes(
         ),
         8,
     )
+
+
+def window_bytes(spec: specs.ModelSpec | str, seq_len: int, batch_size: int = 1) -> int:
+    """Bytes the sliding-window layers hold of an fp16 cache of ``batch_size`` sequences of
+    ``seq_len`` tokens: the part of :func:`kv_cache_bytes` (``bits=16``) that stops growing at
+    the window (0 for a model with no sliding layers). The rest is the global layers', which
+    grows with the context; kvlib's quantized and eviction caches keep the windows in fp16
+    whole and shrink the rest.
+
+    Raises:
+        TypeError / ValueError: not a spec or registry name, a negative ``seq_len``, a
+            ``batch_size`` under 1.
+    """
+    spec = _check_spec(spec)
+    seq_len = check_int(seq_len, "seq_len", minimum=0)
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    tokens = sum(
+        t
+        for kind, t in zip(spec.layer_kinds, spec.tokens_cached(seq_len), strict=True)
+        if kind == "sliding"
+    )
+    return _ceil_div(_bits_per_token_per_layer(spec, 16, None) * tokens * batch_size, 8)
 
 
 def kv_bytes_per_token(

@@ -20,6 +20,7 @@ from kvlib.memory import (
     kv_cache_bytes,
     max_batch,
     max_context,
+    window_bytes,
 )
 from kvlib.specs import ModelSpec, get_spec, spec_from_config
 from kvlib.validate import PRICED_BITS
@@ -468,3 +469,39 @@ def test_window_bits_in_what_fits_and_bad_values():
     for bad, error in ((7, ValueError), ("16", TypeError)):
         with pytest.raises(error, match="window_bits"):
             kv_cache_bytes(spec, 10, window_bits=bad)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(["gemma-2-9b", "gemma-3-27b", "llama-3.1-8b", "mistral-7b-v0.1"]),
+    seq_len=st.integers(0, 200_000),
+    batch=st.integers(1, 8),
+)
+def test_window_bytes_are_the_part_of_the_fp16_cache_that_stops_growing(name, seq_len, batch):
+    spec = get_spec(name)
+    whole = kv_cache_bytes(spec, seq_len, batch)
+    windows = window_bytes(spec, seq_len, batch)
+    per_token_layer = 2 * spec.num_kv_heads * spec.head_dim * 2  # K and V, fp16
+    full = spec.num_layers - spec.num_sliding_layers
+    assert whole - windows == full * seq_len * batch * per_token_layer
+    if spec.num_sliding_layers:
+        held = min(seq_len, spec.sliding_window)
+        assert windows == spec.num_sliding_layers * held * batch * per_token_layer
+        assert window_bytes(spec, seq_len + spec.sliding_window, batch) == (
+            window_bytes(spec, spec.sliding_window, batch)
+        )
+    else:
+        assert windows == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ((get_spec("gemma-2-9b"), -1), ValueError),
+        ((get_spec("gemma-2-9b"), 8, 0), ValueError),
+        ((3, 8), TypeError),
+    ],
+)
+def test_window_bytes_refuses_bad_arguments(args, error):
+    with pytest.raises(error):
+        window_bytes(*args)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import specs
+from kvlib import memory, specs
 from kvlib.cli import main
 from kvlib.plan import engines
 from kvlib.plan import suggestions as plan_suggestions
@@ -105,10 +105,10 @@ def test_the_option_is_the_largest_fraction_that_holds_every_sequence(
     assert eviction_option(LLAMA8, budget, fp16_bytes, concurrency, status, tp=2) is None
 
 
-def test_only_full_attention_models_without_mla_are_evictable():
+def test_models_with_global_layers_and_no_mla_are_evictable():
     assert evictable(LLAMA8) and evictable(specs.get_spec("qwen2.5-7b"))
-    assert not evictable(specs.get_spec("gemma-2-9b"))  # sliding-window layers
-    assert not evictable(specs.get_spec("mistral-7b-v0.1"))  # every layer slides
+    assert evictable(specs.get_spec("gemma-2-9b"))  # sliding and global layers
+    assert not evictable(specs.get_spec("mistral-7b-v0.1"))  # every layer slides: bounded
     mla = specs.get_spec("deepseek-v2-lite")
     assert not evictable(mla) and evictable(mla.without_mla())
     # what a budget holds is the same for every spec: only the model's kind decides
@@ -144,16 +144,54 @@ def test_decide_offers_eviction_only_when_the_request_does_not_fit():
     assert not _holds(crowd.budget.kv_budget_bytes, crowd.kv_bytes_per_sequence_fp16, 16, 200)
 
 
-@pytest.mark.parametrize(
-    ("name", "request_"),
-    [("gemma-2-9b", (48, 32768, 16)), ("deepseek-v2-lite", (48, 131072, 16))],
-)
-def test_no_option_for_sliding_window_or_mla_models(name, request_):
-    d = decide(specs.get_spec(name), *request_)
+def test_no_option_for_mla_models():
+    d = decide(specs.get_spec("deepseek-v2-lite"), 48, 131072, 16)
     assert d.status == "reduced" and d.eviction is None
     # the same budget and bytes for a full-attention model would get one: the kind decides
     numbers = (d.budget.kv_budget_bytes, d.kv_bytes_per_sequence_fp16, d.concurrency, d.status)
     assert eviction_option(LLAMA8, *numbers) is not None
+
+
+def test_a_hybrid_model_keeps_its_windows_whole_and_evicts_in_the_global_layers():
+    gemma = specs.get_spec("gemma-2-9b")
+    d = decide(gemma, 48, 32768, 16)
+    o = d.eviction
+    assert d.status == "reduced" and o is not None
+    windows = memory.window_bytes(gemma, 32768)
+    assert o.window_bytes == windows > 0
+    fp16 = d.kv_bytes_per_sequence_fp16
+    assert o.bytes_per_sequence == windows + -(-(fp16 - windows) // o.keep)
+    assert o.sequences * o.bytes_per_sequence <= d.budget.kv_budget_bytes
+    # a whole-cache share would have promised more than the cache can keep: the windows
+    assert o.bytes_per_sequence > -(-fp16 // o.keep)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    budget=st.integers(1, 2**40),
+    fp16_bytes=st.integers(1, 2**36),
+    window_share=st.floats(0.0, 1.0),
+    concurrency=st.integers(1, 64),
+)
+def test_windows_kept_whole_cost_every_budget_their_bytes(
+    budget, fp16_bytes, window_share, concurrency
+):
+    gemma = specs.get_spec("gemma-2-9b")
+    windows = int(fp16_bytes * window_share)
+    o = eviction_option(gemma, budget, fp16_bytes, concurrency, "reduced", 1, windows)
+    plain = eviction_option(gemma, budget, fp16_bytes, concurrency, "reduced")
+    if o is None:
+        return
+    assert o.bytes_per_sequence == windows + -(-(fp16_bytes - windows) // o.keep)
+    assert o.sequences >= concurrency and o.sequences * o.bytes_per_sequence <= budget
+    # the windows never make a budget cheaper: eviction keeps at least as much of the rest
+    assert plain is not None and plain.keep <= o.keep
+
+
+@pytest.mark.parametrize("windows", [-1, 11])
+def test_window_bytes_outside_the_cache_are_refused(windows):
+    with pytest.raises(ValueError, match="window_bytes must be in"):
+        eviction_option(LLAMA8, 2**30, 10, 1, "reduced", 1, windows)
 
 
 # -------------------------------------------------------------------------------- the words
@@ -181,6 +219,18 @@ def test_the_line_cites_the_best_int4_row_with_its_retrieval():
     assert "multi-key retrieval 0.35 [0.15, 0.60] vs 0.70 uncompressed at 1,024 tokens" in line
     assert line.endswith("eviction drops tokens, and a dropped fact is gone")
     assert plan_suggestions.eviction_note(d, MEAS) == line
+
+
+def test_on_a_hybrid_model_the_line_says_the_windows_are_kept_whole():
+    d = decide(specs.get_spec("gemma-2-9b"), 48, 32768, 16)
+    line = plan_suggestions.eviction_note(d, _run([d.eviction.fraction], ROWS, {}))
+    assert line.startswith(
+        f"token eviction: the whole request with kvlib's evict-<policy>-int4 caches at "
+        f"{d.eviction.fraction} of the global layers' fp16 bytes per sequence, the sliding "
+        "windows kept whole in fp16"
+    )
+    full = plan_suggestions.eviction_note(decide(LLAMA8, 24, 32768, 5), MEAS)
+    assert "global layers" not in full and "kept whole" not in full
 
 
 def test_the_line_reads_the_mean_over_segments_when_the_run_has_them():

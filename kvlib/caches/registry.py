@@ -215,9 +215,10 @@ def share_bytes(config: Any, tokens: int, share: Fraction, *, of: str = "cache")
 
 def window_fp16_bytes(config: Any, tokens: int) -> int:
     """The part of :func:`fp16_bytes` that the sliding-window layers hold (their last
-    ``min(tokens, sliding_window)`` tokens each; 0 on a model with no sliding layers). The
-    rest, ``fp16_bytes(config, tokens) - window_fp16_bytes(config, tokens)``, is the
-    full-attention layers' share, which grows with the context.
+    ``min(tokens, sliding_window)`` tokens each; 0 on a model with no sliding layers;
+    :func:`kvlib.memory.window_bytes`). The rest, ``fp16_bytes(config, tokens) -
+    window_fp16_bytes(config, tokens)``, is the full-attention layers' share, which grows with
+    the context.
 
     Raises:
         TypeError / ValueError: not a transformers config, or ``tokens`` not an int >= 1.
@@ -225,13 +226,7 @@ def window_fp16_bytes(config: Any, tokens: int) -> int:
     if not hasattr(config, "get_text_config"):
         raise TypeError(f"config must be a transformers config (got {type(config).__name__})")
     check_int(tokens, "tokens", minimum=1)
-    spec = spec_from_config(config.get_text_config(decoder=True))
-    window_tokens = sum(
-        t
-        for kind, t in zip(spec.layer_kinds, spec.tokens_cached(tokens), strict=True)
-        if kind == "sliding"
-    )
-    return window_tokens * 2 * spec.num_kv_heads * spec.head_dim * 2  # keys and values, fp16
+    return memory.window_bytes(spec_from_config(config.get_text_config(decoder=True)), tokens)
 
 
 def _eviction_factory(

@@ -70,11 +70,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlib.memory import window_bytes
 from kvlib.plan import engines
 from kvlib.plan.budget import (
     MemoryBudget,
     context_that_fits,
     engine_sequences,
+    gpu_share,
     kv_sequence_bytes,
     memory_budget,
     paged_sequences,
@@ -543,7 +545,15 @@ def decide(
         sequences_by_setting=fits,
         options=options,
         types_by_setting=types,
-        eviction=eviction_option(spec, kv_budget, fp16_bytes, concurrency, status, tp),
+        eviction=eviction_option(
+            spec,
+            kv_budget,
+            fp16_bytes,
+            concurrency,
+            status,
+            tp,
+            window_bytes(gpu_share(spec, tp), context_len),
+        ),
         typical_context=typical_context,
         engines=allowed,
     )

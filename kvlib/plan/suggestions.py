@@ -141,7 +141,12 @@ def eviction_note(d: Decision, results: Mapping[str, Any]) -> str | None:
         best = {}
     found = (best.get(BestKey(Fraction(1, o.keep), f)) for f in families)
     key = next((k for k in found if k is not None), None)
-    where = f"{o.fraction} of the fp16 bytes per sequence"
+    where = (
+        f"{o.fraction} of the global layers' fp16 bytes per sequence, the sliding windows kept "
+        "whole in fp16"
+        if o.window_bytes
+        else f"{o.fraction} of the fp16 bytes per sequence"
+    )
     if key is not None:
         what = (
             f"kvlib's {key.cache} at {where} ({o.engine} + kvlib's cache; "
