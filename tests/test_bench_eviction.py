@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from _scripts import load_script
-from _tiny_models import gemma3_config
+from _tiny_models import gemma3_config, llama_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_eviction.py"
@@ -78,14 +78,10 @@ def test_one_segment_prints_the_single_cost(bench):
 
 
 def test_factories_name_every_policy_at_every_budget_by_registry_name(bench):
-    from transformers import LlamaConfig
-
     from kvlib.caches import registry
     from kvlib.caches.eviction.cache import EvictionCache
 
-    config = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
-    )
+    config = llama_config()
     names = bench.cache_factories(config, "dynamic-fp32", (2, 4), ["h2o", "tova"], [None])
     assert list(names)[:5] == ["dynamic-fp32", *bench.QUANT]
     assert {"evict-h2o@1/2", "evict-tova-int4@1/4"} <= set(names)

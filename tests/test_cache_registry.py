@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from _synthetic_kv import correlated_layers
-from _tiny_models import gemma3_config
+from _tiny_models import gemma3_config, llama_config
 
 from kvlib import compat
 from kvlib.caches import layout as cache_layout
@@ -348,12 +348,6 @@ def test_kvtc_bad_options_are_refused(config, kvtc_basis, name, options, error, 
 # ------------------------------------------------ budgets on a model with sliding layers
 
 
-def _tiny_llama() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
-    )
-
-
 def test_window_bytes_are_what_a_dynamic_cache_holds_in_its_sliding_layers():
     config = gemma3_config(window=16)
     cache = compat.dynamic_cache(config)
@@ -371,7 +365,7 @@ def test_window_bytes_are_what_a_dynamic_cache_holds_in_its_sliding_layers():
     # keeps one token fewer between steps than attention reads (kvlib.memory's docstring)
     held = cache_registry.window_fp16_bytes(config, 40) * (config.sliding_window - 1)
     assert 2 * held == sliding * config.sliding_window
-    llama = _tiny_llama()
+    llama = llama_config()
     assert cache_registry.window_fp16_bytes(llama, 40) == 0
 
 
@@ -386,7 +380,7 @@ def test_a_global_share_keeps_the_windows_whole_and_shares_the_rest(tokens, k):
     assert got == windows + (whole - windows) // k
     assert cache_registry.share_bytes(config, tokens, share) == whole // k
     assert cache_registry.share_bytes(config, tokens, share, of="global") >= whole // k
-    llama = _tiny_llama()  # no sliding layers: the two shares are one
+    llama = llama_config()  # no sliding layers: the two shares are one
     assert cache_registry.share_bytes(llama, tokens, share, of="global") == (
         cache_registry.share_bytes(llama, tokens, share)
     )
@@ -418,4 +412,4 @@ def test_a_global_share_is_a_budget_an_eviction_cache_meets():
 )
 def test_share_bytes_refuses_bad_arguments(share, of, match):
     with pytest.raises(ValueError, match=match):
-        cache_registry.share_bytes(_tiny_llama(), 16, share, of=of)
+        cache_registry.share_bytes(llama_config(), 16, share, of=of)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_models import llama_config, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvlib import compat
 from kvlib.caches import registry as cache_registry
@@ -25,17 +25,7 @@ STORAGES = [None, 4]  # the model's dtype, int4
 @pytest.fixture(scope="module")
 def tiny():
     """A 2-layer Llama with 4 query heads sharing 2 KV heads of head_dim 16 (random weights)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=64,
-        vocab_size=97,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 def ids_of(n: int, seed: int = 1) -> torch.Tensor:
@@ -308,14 +298,7 @@ def test_a_budget_in_the_name_is_a_share_of_the_fp16_bytes(tiny):
 
 @pytest.mark.parametrize("head_dim, group", [(64, 32), (80, 20), (16, 16)])
 def test_int4_eviction_groups_32_channels_or_the_largest_divisor_below(head_dim, group):
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        vocab_size=97,
-    )
+    config = llama_config(head_dim=head_dim)
     size = 2 * 2 * head_dim * 2 * 64  # 64 fp16 tokens
     built = cache_registry.make_cache("evict-streaming-int4", config, max_bytes=size)
     store = {"bits": 4, "residual": cache_registry.INT_RESIDUAL, "dtype": torch.float16}

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 from _tiny_models import gemma3_config as tiny_gemma3_config
+from _tiny_models import llama_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig
@@ -233,12 +234,7 @@ def test_sliding_layers_hold_min_length_window(chunks, window, bits):
 
 
 def test_unserved_layer_types_still_fail_clearly():
-    chunked = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
+    chunked = llama_config(
         vocab_size=100,
         layer_types=["chunked_attention", "full_attention"],
         attention_chunk_size=8,

@@ -26,9 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 import triton  # noqa: F401  -- a requirement: fail loudly when missing
+from _tiny_models import tiny_llama as _tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from kvlib import compat
 from kvlib.caches.quantized import QuantizedKVCache, QuantizedKVLayer
@@ -263,17 +264,7 @@ def test_step_bytes_counts_codes_metadata_and_window() -> None:
 
 
 def tiny_llama(kv_heads: int = 2, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        head_dim=16,
-        intermediate_size=32,
-        vocab_size=64,
-    )
-    return LlamaForCausalLM(config).eval()
+    return _tiny_llama(seed, num_key_value_heads=kv_heads, intermediate_size=32, vocab_size=64)
 
 
 def run_generate(model, cache, ids, mask):
