@@ -91,7 +91,7 @@ from kvlib.caches.eviction import cache as eviction
 from kvlib.caches.sliding import SlidingWindowLayer
 from kvlib.keys import RowKey
 from kvlib.kvtc import codec as kvtc
-from kvlib.specs import spec_from_config
+from kvlib.specs import ModelSpec, spec_from_config
 from kvlib.validate import check_int
 
 __all__ = [
@@ -171,6 +171,14 @@ def _build(info: CacheInfo, config: Any, **options: Any) -> Callable[[], Any]:
     )
 
 
+def _text_spec(config: Any, tokens: int) -> ModelSpec:
+    """The spec of a transformers ``config``'s text model, after checking ``tokens`` >= 1."""
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(f"config must be a transformers config (got {type(config).__name__})")
+    check_int(tokens, "tokens", minimum=1)
+    return spec_from_config(config.get_text_config(decoder=True))
+
+
 def fp16_bytes(config: Any, tokens: int) -> int:
     """Bytes of an fp16 ``DynamicCache`` holding ``tokens`` tokens of one sequence of a model
     with this transformers ``config`` (sliding-window layers count their window at most, as
@@ -179,10 +187,7 @@ def fp16_bytes(config: Any, tokens: int) -> int:
     Raises:
         TypeError / ValueError: not a transformers config, or ``tokens`` not an int >= 1.
     """
-    if not hasattr(config, "get_text_config"):
-        raise TypeError(f"config must be a transformers config (got {type(config).__name__})")
-    check_int(tokens, "tokens", minimum=1)
-    return memory.kv_cache_bytes(spec_from_config(config.get_text_config(decoder=True)), tokens)
+    return memory.kv_cache_bytes(_text_spec(config, tokens), tokens)
 
 
 def share_bytes(config: Any, tokens: int, share: Fraction, *, of: str = "cache") -> int:
@@ -223,10 +228,7 @@ def window_fp16_bytes(config: Any, tokens: int) -> int:
     Raises:
         TypeError / ValueError: not a transformers config, or ``tokens`` not an int >= 1.
     """
-    if not hasattr(config, "get_text_config"):
-        raise TypeError(f"config must be a transformers config (got {type(config).__name__})")
-    check_int(tokens, "tokens", minimum=1)
-    return memory.window_bytes(spec_from_config(config.get_text_config(decoder=True)), tokens)
+    return memory.window_bytes(_text_spec(config, tokens), tokens)
 
 
 def _eviction_factory(
