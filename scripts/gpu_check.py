@@ -255,6 +255,10 @@ def run_from_log(text: str) -> dict[str, Any]:
     )
     if not (head and command and model):
         raise ValueError("not a scripts/gpu_check.py log: its header lines are missing")
+    # logs from before 2026-12-07 have no attention line
+    attention = re.search(
+        r"^Attention: (\S+); kvlib's quantized caches decode through (.+)\.$", text, re.M
+    )
     rows: dict[str, dict[str, Any]] = {}
     for title, fields in _LOG_TABLES.items():
         for cache, bits, *cells in _table_after(text, title):
@@ -278,6 +282,11 @@ def run_from_log(text: str) -> dict[str, Any]:
             "context": int(model.group(2)),
             "new_tokens": int(model.group(3)),
             "repeats": int(model.group(4)),
+            **(
+                {"attention": attention.group(1), "kvlib_decode_path": attention.group(2)}
+                if attention
+                else {}
+            ),
         },
         "rows": rows,
         "note": "; ".join(
@@ -424,8 +433,25 @@ class Check:
         return head + fits_table(rows), True
 
 
+def attention_line(model: Any, device: torch.device) -> str:
+    """Which attention the run took: the model's implementation, and whether kvlib's quantized
+    caches decode through the fused Triton kernel (on CUDA with triton installed and sdpa
+    attention: :class:`~kvlib.caches.quantized.QuantizedKVCache`'s ``fused_decode=None``) or
+    their torch path (dequantize, then the model's attention)."""
+    impl = model.config._attn_implementation
+    try:
+        import triton
+
+        version = triton.__version__
+    except ImportError:
+        version = None
+    fused = device.type == "cuda" and version is not None and impl in ("sdpa", "kvlib_fused")
+    path = f"the fused Triton kernel (triton {version})" if fused else "their torch path"
+    return f"Attention: {impl}; kvlib's quantized caches decode through {path}."
+
+
 def header(args: argparse.Namespace, argv: list[str] | None, model: Any, device) -> list[str]:
-    """The report's title, command, versions and model lines."""
+    """The report's title, command, versions, model and attention lines."""
     import transformers
 
     dtype = next(model.parameters()).dtype
@@ -442,6 +468,7 @@ def header(args: argparse.Namespace, argv: list[str] | None, model: Any, device)
         f"head_dim {model.config.head_dim}; {n_params / 1e9:.3f} B params, {str(dtype)[6:]}); "
         f"context {args.context} random tokens, {args.new_tokens} new tokens, "
         f"median of {args.repeats}. Quality numbers need real weights; these check agreement.",
+        attention_line(model, device),
         "",
     ]
 

@@ -30,6 +30,12 @@ def test_gpu_check_dry_run(capsys):
     # the reference is named for the model's dtype and always runs first
     assert "| dynamic-fp32 | 32 | 0.0000 | 0.0000 | 1.000 | - | reference |" in out
     assert "| cache | bits | cache bytes | vs dynamic-fp32 |" in out
+    # the attention path is recorded: on a CPU the quantized caches take their torch path
+    line = next(ln for ln in out.splitlines() if ln.startswith("Attention: "))
+    assert line.endswith("kvlib's quantized caches decode through their torch path.")
+    run = gpu_check.run_from_log(out)
+    assert run["settings"]["kvlib_decode_path"] == "their torch path"
+    assert run["settings"]["attention"] in ("sdpa", "eager")
 
 
 H200_LOG = ROOT / "benchmarks" / "gpu_h200_2026-12-04" / "gpu_check.log"
