@@ -41,6 +41,7 @@ import torch
 from _machine import machine
 from _progress import bar, log
 from _states import fill
+from _tables import markdown_table
 
 import kvlib
 from kvlib import compat, results
@@ -249,11 +250,9 @@ def segment_deltas(
 def quality_table(rows: dict[str, dict[str, Any]], deltas: dict[str, list[float]]) -> str:
     """The Markdown table of every row, with PASS/FAIL for :data:`TARGETS` (the perplexity
     target read on every segment of ``deltas``, the byte target at 4,096 tokens)."""
-    lines = [
-        "| cache | perplexity | Δ vs fp32 % | bytes/token | × smaller than fp16 | "
-        "× at 4096 tok | wall s | target | PASS/FAIL |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
+    header = ["cache", "perplexity", "Δ vs fp32 %", "bytes/token", "× smaller than fp16"]
+    header += ["× at 4096 tok", "wall s", "target", "PASS/FAIL"]
+    lines = []
     for name, r in rows.items():
         target, verdict = "", ""
         if name in TARGETS:
@@ -265,41 +264,39 @@ def quality_table(rows: dict[str, dict[str, Any]], deltas: dict[str, list[float]
                 target += f", ≥ {least_x}× @4096"
             verdict = "PASS" if all(checks) else "FAIL"
         lines.append(
-            f"| {name} | {r['perplexity']:.4f} | {r['delta_pct']:+.3f} | "
-            f"{r['bytes_per_token']:.0f} | {r['ratio']:.2f} | {r['ratio_4096']:.2f} | "
-            f"{r['wall_s']:.1f} | {target} | {verdict} |"
+            [
+                name,
+                f"{r['perplexity']:.4f}",
+                f"{r['delta_pct']:+.3f}",
+                f"{r['bytes_per_token']:.0f}",
+            ]
+            + [f"{r['ratio']:.2f}", f"{r['ratio_4096']:.2f}", f"{r['wall_s']:.1f}", target, verdict]
         )
-    return "\n".join(lines)
+    return "\n".join(markdown_table(header, lines, "lrrrrrr"))
 
 
 def segments_table(deltas: dict[str, list[float]]) -> str:
     """The Markdown table of each row's % cost on every segment (the reference left out)."""
     k = len(next(iter(deltas.values())))
-    heads = " | ".join(f"seg {i + 1}" for i in range(k))
-    lines = [
-        f"| cache | {heads} | mean | worst | target | met on every segment |",
-        "|---|" + "---:|" * (k + 2) + "---|---|",
-    ]
+    header = ["cache", *(f"seg {i + 1}" for i in range(k)), "mean", "worst", "target"]
+    lines = []
     for n, d in list(deltas.items())[1:]:
         target, verdict = "", ""
         if n in TARGETS:
             target = f"Δ ≤ {TARGETS[n][0]} %"
             verdict = "yes" if max(d) <= TARGETS[n][0] else "no"
-        cells = " | ".join(f"{x:+.3f}" for x in d)
-        lines.append(
-            f"| {n} | {cells} | {statistics.mean(d):+.3f} | {max(d):+.3f} | {target} | {verdict} |"
-        )
-    return "\n".join(lines)
+        cells = [f"{x:+.3f}" for x in (*d, statistics.mean(d), max(d))]
+        lines.append([n, *cells, target, verdict])
+    header.append("met on every segment")
+    return "\n".join(markdown_table(header, lines, "l" + "r" * (k + 2)))
 
 
 def decode_table(speed: dict[str, quality.GenerationBenchmark]) -> str:
     """The Markdown table of decode speeds against the first (reference) row, with the int4
     target: at most 1.5× slower than the reference and at least quanto int4's speed."""
     base = next(iter(speed.values()))
-    lines = [
-        "| cache | decode tok/s | slowdown vs Dynamic | TTFT s | target | PASS/FAIL |",
-        "|---|---:|---:|---:|---|---|",
-    ]
+    header = ["cache", "decode tok/s", "slowdown vs Dynamic", "TTFT s", "target", "PASS/FAIL"]
+    lines = []
     for name, res in speed.items():
         slow = res.slowdown_vs(base)
         target, verdict = "", ""
@@ -308,10 +305,10 @@ def decode_table(speed: dict[str, quality.GenerationBenchmark]) -> str:
             ok = slow <= 1.5 and res.decode_tokens_per_s >= q.decode_tokens_per_s
             target, verdict = "≤ 1.5× Dynamic and ≥ quanto int4", "PASS" if ok else "FAIL"
         lines.append(
-            f"| {name} | {res.decode_tokens_per_s:.2f} | {slow:.2f} | "
-            f"{res.time_to_first_token_s:.2f} | {target} | {verdict} |"
+            [name, f"{res.decode_tokens_per_s:.2f}", f"{slow:.2f}"]
+            + [f"{res.time_to_first_token_s:.2f}", target, verdict]
         )
-    return "\n".join(lines)
+    return "\n".join(markdown_table(header, lines, "lrrr"))
 
 
 def run_rows(

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from _machine import machine
 from _progress import bar, log
+from _tables import markdown_table
 from _timing import measure
 
 import kvlib
@@ -206,19 +207,24 @@ def type_rows(
 
 def table(rows: dict[str, dict]) -> str:
     """The Markdown table of :func:`type_rows`' rows."""
-    lines = [
-        "| cache type (K/V) | bits (K, V) | bytes/token | x smaller than f16 | mean delta (%) "
-        "| segments (%) | decode tok/s | slowdown vs f16 |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in rows.items():
-        bits = ", ".join(f"{b:g}" for b in r["bits_per_element"])
-        segs = ", ".join(f"{d:+.2f}" for d in r["perplexity_delta_pct_segments"])
-        lines.append(
-            f"| {name} | {bits} | {r['bytes_per_token']:,.0f} | {r['x_smaller_than_fp16']:.2f} | "
-            f"{r['perplexity_delta_pct_mean']:+.2f} | {segs} | {r['decode_tokens_per_s']:.0f} "
-            f"| {r['slowdown_vs_reference']:.2f} |"
-        )
+    header = ["cache type (K/V)", "bits (K, V)", "bytes/token", "x smaller than f16"]
+    header += ["mean delta (%)", "segments (%)", "decode tok/s", "slowdown vs f16"]
+    lines = markdown_table(
+        header,
+        [
+            [
+                name,
+                ", ".join(f"{b:g}" for b in r["bits_per_element"]),
+                f"{r['bytes_per_token']:,.0f}",
+                f"{r['x_smaller_than_fp16']:.2f}",
+                f"{r['perplexity_delta_pct_mean']:+.2f}",
+                ", ".join(f"{d:+.2f}" for d in r["perplexity_delta_pct_segments"]),
+                f"{r['decode_tokens_per_s']:.0f}",
+                f"{r['slowdown_vs_reference']:.2f}",
+            ]
+            for name, r in rows.items()
+        ],
+    )
     return "\n".join(lines)
 
 

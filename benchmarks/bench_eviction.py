@@ -57,6 +57,7 @@ import torch
 import transformers
 from _machine import machine
 from _progress import log
+from _tables import markdown_table
 
 import kvlib
 from kvlib import results
@@ -166,58 +167,44 @@ def markdown_tables(run: dict) -> str:
     cols = [str(c) for c in columns]
     segs = settings.get("segments", 1) > 1
     hybrid = any("global_fp16_fraction" in r for r in rows.values())
-    bytes_head = "bytes / fp16 | global layers / fp16" if hybrid else "bytes / fp16"
     heads = [f"retrieval {'multi ' if c.multi else ''}@{c.context}" for c in columns]
-    ppl_head = "Δ perplexity, mean (%) | per segment (%)" if segs else "Δ perplexity (%)"
+    ppl_head = ["Δ perplexity, mean (%)", "per segment (%)"] if segs else ["Δ perplexity (%)"]
+    bytes_head = ["bytes / fp16", "global layers / fp16"] if hybrid else ["bytes / fp16"]
 
-    def ppl(r: dict) -> str:
+    def ppl(r: dict) -> list[str]:
         if "perplexity" not in r:
-            return "n/a | n/a" if segs else "n/a"
+            return ["n/a"] * len(ppl_head)
         if not segs:
-            return f"{r['perplexity_delta_pct']:+.3f}"
+            return [f"{r['perplexity_delta_pct']:+.3f}"]
         each = " / ".join(f"{d:+.2f}" for d in r["perplexity_delta_pct_segments"])
-        return f"{r['perplexity_delta_pct_mean']:+.3f} | {each}"
+        return [f"{r['perplexity_delta_pct_mean']:+.3f}", each]
 
-    def fraction(r: dict) -> str:  # bytes over fp16: at the perplexity length if live
+    def fraction(r: dict) -> list[str]:  # bytes over fp16: at the perplexity length if live
         whole = r["fp16_fraction"] if "fp16_fraction" in r else r[f"{cols[0]}_fp16_fraction"]
-        if not hybrid:
-            return f"{whole:.3f}"
-        return f"{whole:.3f} | " + (
-            f"{r['global_fp16_fraction']:.3f}" if "global_fp16_fraction" in r else "n/a"
-        )
+        glob = r.get("global_fp16_fraction")
+        return [f"{whole:.3f}"] + ([f"{glob:.3f}" if glob is not None else "n/a"] * hybrid)
 
     def ci(r: dict, c: str) -> str:
         return f"{r[c]:.2f} [{r[f'{c}_ci'][0]:.2f}, {r[f'{c}_ci'][1]:.2f}]"
 
     reference = str(results.reference(run))
-    n_cols = 2 + segs + len(cols) + hybrid
-    lines = [
-        f"| budget | family | best row | {ppl_head} | "
-        + " | ".join(f"{h} [95 % CI]" for h in heads)
-        + f" | {bytes_head} |",
-        "|---|---|---|" + "---|" * n_cols,
-        f"| 1 | reference | {reference} | {ppl(rows[reference])} | "
-        + " | ".join(ci(rows[reference], c) for c in cols)
-        + f" | {fraction(rows[reference])} |",
+    best = [("1", "reference", reference)] + [
+        (str(key.budget), key.family, str(row_key)) for key, row_key in results.best(run).items()
     ]
-    for key, row_key in results.best(run).items():
-        r = rows[str(row_key)]
-        lines.append(
-            f"| {key.budget} | {key.family} | {row_key} | {ppl(r)} | "
-            + " | ".join(ci(r, c) for c in cols)
-            + f" | {fraction(r)} |"
-        )
-    lines += [
-        "",
-        "Every row of the run:",
-        "",
-        f"| cache | {ppl_head} | " + " | ".join(heads) + f" | {bytes_head} |",
-        "|---|" + "---|" * n_cols,
-    ]
-    for n, r in rows.items():
-        accs = " | ".join(f"{r[c]:.2f}" for c in cols)
-        lines.append(f"| {n} | {ppl(r)} | {accs} | {fraction(r)} |")
-    return "\n".join(lines)
+    best_table = markdown_table(
+        ["budget", "family", "best row", *ppl_head, *(f"{h} [95 % CI]" for h in heads)]
+        + bytes_head,
+        (
+            [budget, fam, name, *ppl(rows[name]), *(ci(rows[name], c) for c in cols)]
+            + fraction(rows[name])
+            for budget, fam, name in best
+        ),
+    )
+    every = markdown_table(
+        ["cache", *ppl_head, *heads, *bytes_head],
+        ([n, *ppl(r), *(f"{r[c]:.2f}" for c in cols), *fraction(r)] for n, r in rows.items()),
+    )
+    return "\n".join([*best_table, "", "Every row of the run:", "", *every])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _tables import markdown_table
+
 PRESSES = {"streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress"}
 SNAPKV_WINDOW = 64  # kvpress's default window_size (kernel 5 in both)
 RATIOS = (0.5, 0.75, 0.875)  # kept: 1/2, 1/4, 1/8 of the prompt's tokens
@@ -219,19 +221,23 @@ def compare_rows(ours: list[dict], theirs: list[dict], prompts: list, tok) -> di
 
 def table(rows: dict[str, dict]) -> str:
     """The Markdown table of :func:`compare_rows`' rows."""
-    lines = [
-        "| policy @ kept | kept overlap | identical (layer, head) sets | kvlib correct | "
-        "kvpress correct | same answer |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, r in rows.items():
-        n = r["prompts"]
-        lines.append(
-            f"| {name} | {r['kept_overlap']:.3f} | {r['identical_sets']:.2f} | "
-            f"{r['kvlib_correct']}/{n} | {r['kvpress_correct']}/{n} | "
-            f"{r['same_answer_tokens']}/{n} |"
+    counts = ("kvlib_correct", "kvpress_correct", "same_answer_tokens")
+    header = ["policy @ kept", "kept overlap", "identical (layer, head) sets", "kvlib correct"]
+    header += ["kvpress correct", "same answer"]
+    return "\n".join(
+        markdown_table(
+            header,
+            [
+                [
+                    name,
+                    f"{r['kept_overlap']:.3f}",
+                    f"{r['identical_sets']:.2f}",
+                    *(f"{r[k]}/{r['prompts']}" for k in counts),
+                ]
+                for name, r in rows.items()
+            ],
         )
-    return "\n".join(lines)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

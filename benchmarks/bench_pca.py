@@ -35,6 +35,7 @@ import torch
 import transformers
 from _machine import cpu_model, machine
 from _progress import bar, log
+from _tables import markdown_table
 from _timing import median_seconds
 from tqdm import tqdm
 
@@ -184,17 +185,15 @@ def fp16_bytes(cache: Any) -> int:
 
 def table(rows: list[Row], ref: float) -> str:
     """The Markdown table of every row, its perplexity cost against ``ref``."""
-    lines = [
-        "| method | compression vs fp16 | perplexity | Δ ppl | encode s | decode s "
-        "| MSE predicted / measured |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+    header = ["method", "compression vs fp16", "perplexity", "Δ ppl", "encode s", "decode s"]
+    header.append("MSE predicted / measured")
+    cells = [
+        [name, f"{ratio:.2f}×", f"{ppl:.3f}", f"{100 * (ppl / ref - 1):+.2f} %"]
+        + ["" if math.isnan(t) else f"{t:.2f}" for t in (enc, dec)]
+        + [mse]
+        for name, ratio, ppl, enc, dec, mse in rows
     ]
-    for name, ratio, ppl, enc, dec, mse in rows:
-        delta = 100 * (ppl / ref - 1)
-        e = "" if math.isnan(enc) else f"{enc:.2f}"
-        d = "" if math.isnan(dec) else f"{dec:.2f}"
-        lines.append(f"| {name} | {ratio:.2f}× | {ppl:.3f} | {delta:+.2f} % | {e} | {d} | {mse} |")
-    return "\n".join(lines)
+    return "\n".join(markdown_table(header, cells, "lrrrrrr"))
 
 
 def target_lines(rows: list[Row], ref: float) -> str:

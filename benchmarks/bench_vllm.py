@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from _tables import markdown_table
 from bench_engines import CHUNK
 
 from kvlib import results
@@ -169,36 +170,36 @@ def _fmt_segments(values: list[float]) -> str:
 
 def markdown_tables(entry: Mapping[str, Any]) -> str:
     """The perplexity and capacity tables of a recorded run, as Markdown."""
-    lines = [
-        f"Command: `{entry['command']}`; {entry['machine']}; {entry['date']}.",
-        "",
-        "| kv_cache_dtype | bits | bytes/token | x smaller than fp16 | mean delta (%) | "
-        "segments (%) | perplexity (mean) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, r in entry["rows"].items():
+
+    def cells(name: str, r: Mapping[str, Any]) -> list[str]:
         if not r["computed_correctly_on_cpu"]:
             ppl = r["perplexity_mean_invalid"]
-            lines.append(f"| {name} | - | - | - | not computed correctly on CPU | - | {ppl:.1f} |")
-            continue
-        lines.append(
-            f"| {name} | {r['bits_per_element']} | {r['bytes_per_token']} | "
-            f"{r['x_smaller_than_fp16']} | {r['perplexity_delta_pct_mean']:+.4f} | "
-            f"{_fmt_segments(r['perplexity_delta_pct_segments'])} | "
-            f"{r['perplexity_mean']:.4f} |"
-        )
-    lines += [
-        "",
-        "| KV space (dtype @ GiB) | block size | blocks | reported tokens | predicted tokens "
-        "| error (%) |",
-        "|---|---|---|---|---|---|",
+            return [name, "-", "-", "-", "not computed correctly on CPU", "-", f"{ppl:.1f}"]
+        return [
+            name,
+            str(r["bits_per_element"]),
+            str(r["bytes_per_token"]),
+            str(r["x_smaller_than_fp16"]),
+            f"{r['perplexity_delta_pct_mean']:+.4f}",
+            _fmt_segments(r["perplexity_delta_pct_segments"]),
+            f"{r['perplexity_mean']:.4f}",
+        ]
+
+    quality_head = ["kv_cache_dtype", "bits", "bytes/token", "x smaller than fp16"]
+    quality_head += ["mean delta (%)", "segments (%)", "perplexity (mean)"]
+    capacity_head = ["KV space (dtype @ GiB)", "block size", "blocks", "reported tokens"]
+    capacity_head += ["predicted tokens", "error (%)"]
+    capacity = [
+        [name, c["block_size"], c["num_blocks"], c["reported_tokens"], c["predicted_tokens"]]
+        + [f"{c['error_pct']:+g}"]
+        for name, c in entry["capacity"].items()
     ]
-    for name, c in entry["capacity"].items():
-        lines.append(
-            f"| {name} | {c['block_size']} | {c['num_blocks']} | {c['reported_tokens']} | "
-            f"{c['predicted_tokens']} | {c['error_pct']:+g} |"
-        )
-    return "\n".join(lines)
+    return "\n".join(
+        [f"Command: `{entry['command']}`; {entry['machine']}; {entry['date']}.", ""]
+        + markdown_table(quality_head, (cells(n, r) for n, r in entry["rows"].items()))
+        + [""]
+        + markdown_table(capacity_head, capacity)
+    )
 
 
 # ------------------------------------------------------------------ the vLLM side (a subprocess)
