@@ -25,6 +25,7 @@ SECTION_RUNS = {
     "PCA transform coding (kvlib.kvtc.pca)": "pca",
     "TurboQuant and KVQuant at equal bits (benchmarks/bench_turboquant.py)": "turboquant",
     "The same run on Gemma 3 270M (run `turboquant/gemma-3-270m`)": "turboquant/gemma-3-270m",
+    "The same table on Gemma 3 270M (run `eviction/gemma-3-270m`)": "eviction/gemma-3-270m",
     "Serving simulation (300 requests, seed 0, 1 GiB KV, max_len 2048)": "paged",
     "Parallel sampling in the simulation (75 requests x 4 samples, paged 16)": "paged",
     "Prefix sharing: 4 parallel samples of a 1024-token prompt (block size 16)": "paged",
