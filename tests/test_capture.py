@@ -112,3 +112,23 @@ def test_evaluate_recipes_rejects_bad_input():
         evaluate_recipes([layer], [KVRecipe()], n_queries=0)
     with pytest.raises(TypeError, match="KVRecipe"):
         evaluate_recipes([layer], ["kivi"])
+
+
+def test_capture_applies_the_query_and_key_norms_of_gemma3():
+    """Gemma 3 normalises each head's queries and keys before RoPE: the captured keys are the
+    ones its cache holds, in the sliding layers and the global one."""
+    from _tiny_models import gemma3_config
+    from transformers import Gemma3ForCausalLM
+
+    from kvlib import compat
+
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(gemma3_config(window=64)).eval()
+    for attn in (layer.self_attn for layer in model.model.layers):  # norms far from identity
+        torch.nn.init.normal_(attn.k_norm.weight, std=1.0)
+        torch.nn.init.normal_(attn.q_norm.weight, std=1.0)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    cache = compat.prefill_cache(model, ids)
+    for (k, v), got in zip(compat.cache_tensors(cache), capture_qkv(model, ids), strict=True):
+        torch.testing.assert_close(got.k, k.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.v, v.float(), rtol=1e-5, atol=1e-5)

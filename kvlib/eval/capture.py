@@ -50,7 +50,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     if not mods:
         raise TypeError(
             f"{type(model).__name__} has no Llama-style attention modules (q_proj/k_proj/v_proj); "
-            "capture supports Llama-architecture models (Llama, SmolLM, Qwen2, Mistral, ...)"
+            "capture supports Llama-style attention (Llama, SmolLM, Qwen2, Mistral, Gemma 3, ...)"
         )
     return mods
 
@@ -59,9 +59,11 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def capture_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> list[LayerQKV]:
     """Run ``model`` on ``input_ids`` ``(batch, seq_len)`` once and return every layer's q, k, v.
 
-    Forward pre-hooks on the attention modules recompute the projections and RoPE from the
-    module's own inputs (the same code path as transformers' ``LlamaAttention.forward``), so
-    nothing in the model is changed. Tensors are returned in float32 on the model's device.
+    Forward pre-hooks on the attention modules recompute the projections, the per-head query
+    and key norms where the model has them (Gemma 3's QK-norm) and RoPE from the module's own
+    inputs (the same code path as transformers' ``LlamaAttention.forward`` and
+    ``Gemma3Attention.forward``), so nothing in the model is changed. Tensors are returned in
+    float32 on the model's device.
     """
     if (
         not isinstance(input_ids, torch.Tensor)
@@ -82,6 +84,8 @@ def capture_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> list[LayerQK
             q = module.q_proj(h).view(shape).transpose(1, 2)
             k = module.k_proj(h).view(shape).transpose(1, 2)
             v = module.v_proj(h).view(shape).transpose(1, 2)
+            if hasattr(module, "q_norm") and hasattr(module, "k_norm"):  # QK-norm (Gemma 3)
+                q, k = module.q_norm(q), module.k_norm(k)
             rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
             q, k = rope(q, k, cos, sin)
             out[idx] = LayerQKV(
