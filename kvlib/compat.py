@@ -10,8 +10,9 @@ the helpers below, so a rename is fixed here once:
 - :func:`forward` / :func:`generate` — call a model with a cache;
 - :func:`output_cache` — the cache object returned in a model output;
 - :func:`dynamic_cache` / :func:`hf_quantized_cache` — build transformers' own caches;
-- :func:`dynamic_cache_from` / :func:`cache_tensors` / :func:`clone_cache` — a DynamicCache from
-  per-layer tensors, its tensors back, a deep copy (notebook 06);
+- :func:`dynamic_cache_from` / :func:`cache_tensors` / :func:`cache_windows` /
+  :func:`clone_cache` — a DynamicCache from per-layer tensors, its tensors and sliding windows
+  back, a deep copy (notebook 06);
 - :func:`prefill_cache` — run a prefix through a model, in chunks if asked, into a cache;
 - :func:`layer_types` — the attention layer types a config declares;
 - :func:`layer_windows` — each layer's sliding window (``None`` for full attention), for
@@ -171,16 +172,26 @@ def dynamic_cache(config: Any = None) -> Any:
     return DynamicCache(config=config) if config is not None else DynamicCache()
 
 
-def dynamic_cache_from(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """A transformers ``DynamicCache`` holding the given tensors (not copied).
+def dynamic_cache_from(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    windows: Sequence[int | None] | None = None,
+    seq_len: int | None = None,
+) -> Any:
+    """A transformers ``DynamicCache`` holding the given tensors.
 
     Args:
         layers: per decoder layer ``(keys, values)``, each ``(batch, kv_heads, seq_len,
-            head_dim)``.
+            head_dim)``; a sliding-window layer may hold fewer tokens (its newest ones).
+        windows: per layer its sliding window (``None`` for full attention), as
+            :func:`cache_windows` or :func:`layer_windows` give them; ``None``: every layer full.
+        seq_len: tokens the cache has seen (default: the longest layer's); a sliding layer
+            counts them as transformers' ``DynamicSlidingWindowLayer`` does, so the attention
+            masks of the next tokens are right.
 
     Raises:
         TypeError: not a sequence of (keys, values) tensor pairs.
-        ValueError: no layers, or tensors that are not 4-D.
+        ValueError: no layers, tensors that are not 4-D, ``windows`` of another length, or
+            a layer longer than ``seq_len``.
     """
     from transformers import DynamicCache
 
@@ -200,13 +211,48 @@ def dynamic_cache_from(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> A
                 f"layer {i}: keys/values must be (batch, kv_heads, seq_len, head_dim) "
                 f"(got {tuple(kv[0].shape)} / {tuple(kv[1].shape)})"
             )
-    return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
+    longest = max(k.shape[2] for k, _ in layers)
+    seq_len = longest if seq_len is None else check_int(seq_len, "seq_len", minimum=longest)
+    if windows is None:
+        return DynamicCache(ddp_cache_data=[(k, v) for k, v in layers])
+    if len(windows) != len(layers):
+        raise ValueError(f"windows names {len(windows)} layers, layers holds {len(layers)}")
+    data = []
+    for i, ((k, v), w) in enumerate(zip(layers, windows, strict=True)):
+        if w is None:
+            if k.shape[2] != seq_len:
+                raise ValueError(
+                    f"layer {i} is full attention: it must hold all {seq_len} tokens "
+                    f"(got {k.shape[2]})"
+                )
+            data.append((k, v))
+        else:
+            w = check_int(w, f"windows[{i}]", minimum=1)
+            data.append((k, v, torch.tensor(w)))
+    cache = DynamicCache(ddp_cache_data=data)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length = seq_len
+    return cache
+
+
+def cache_windows(cache: Any) -> list[int | None]:
+    """Per layer of a transformers cache, its sliding window (``None`` for full attention)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"cache must be a transformers DynamicCache (got {type(cache).__name__})")
+    return [
+        int(layer.sliding_window) if getattr(layer, "is_sliding", False) else None
+        for layer in layers
+    ]
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(keys, values), …]`` per layer of a transformers cache, each ``(batch, kv_heads, seq_len, head_dim)``.
 
-    The tensors are the cache's own (not copies).
+    The tensors are the cache's own (not copies). A sliding-window layer holds its newest
+    tokens only, so its ``seq_len`` can be shorter than the full-attention layers'
+    (:func:`cache_windows` tells which layers slide).
 
     Raises:
         TypeError: not a transformers ``Cache`` with per-layer ``keys``/``values``.
@@ -231,18 +277,29 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out.append((k, v))
     if not out:
         raise ValueError("cache is empty (no layers)")
-    shape = out[0][0].shape
+    windows = cache_windows(cache)
+    full = [i for i, w in enumerate(windows) if w is None]
+    ref = full[0] if full else 0
+    shape = out[ref][0].shape
     for i, (k, _) in enumerate(out):
-        if k.shape != shape:
+        same = k.shape == shape
+        if windows[i] is not None:  # a sliding layer holds at most the full layers' tokens
+            same = k.shape[:2] + k.shape[3:] == shape[:2] + shape[3:] and k.shape[2] <= shape[2]
+        if not same:
             raise ValueError(
-                f"cache layer {i} has shape {tuple(k.shape)}, layer 0 has {tuple(shape)}"
+                f"cache layer {i} has shape {tuple(k.shape)}, layer {ref} has {tuple(shape)}"
             )
     return out
 
 
 def clone_cache(cache: Any) -> Any:
-    """A deep copy of a DynamicCache (tensors cloned), so scoring one copy leaves the other intact."""
-    return dynamic_cache_from([(k.clone(), v.clone()) for k, v in cache_tensors(cache)])
+    """A deep copy of a DynamicCache (tensors cloned, sliding layers kept sliding), so scoring
+    one copy leaves the other intact."""
+    layers = [(k.clone(), v.clone()) for k, v in cache_tensors(cache)]
+    windows = cache_windows(cache)
+    if all(w is None for w in windows):
+        return dynamic_cache_from(layers)
+    return dynamic_cache_from(layers, windows, seq_len=cache.get_seq_length())
 
 
 def prefill_cache(

@@ -92,3 +92,37 @@ def test_prefill_fills_a_given_cache_and_generate_goes_on_from_it(model, eval_id
     assert torch.allclose(last, whole, atol=1e-4)
     with pytest.raises(TypeError, match="transformers Cache"):
         compat.prefill_cache(model, ids, cache=object())
+
+
+def test_hybrid_cache_from_tensors_masks_like_the_one_a_model_fills() -> None:
+    """A cache rebuilt from a hybrid model's tensors (sliding layers shorter) continues exactly
+    like the original, and its clone keeps its sliding layers."""
+    from _tiny_models import gemma3_config
+    from transformers import Gemma3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(gemma3_config(window=16)).eval()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    cache = compat.prefill_cache(model, ids[:, :30])
+    windows = compat.cache_windows(cache)
+    assert windows == compat.layer_windows(model.config) == [16] * 5 + [None]
+    layers = compat.cache_tensors(cache)
+    assert [k.shape[2] for k, _ in layers] == [15] * 5 + [30]
+    rebuilt = compat.dynamic_cache_from([(k.clone(), v.clone()) for k, v in layers], windows, 30)
+    clone = compat.clone_cache(cache)
+    assert compat.cache_windows(clone) == windows and clone.get_seq_length() == 30
+    with torch.no_grad():
+        ref = compat.forward(model, ids[:, 30:], cache).logits
+        for other in (rebuilt, clone):
+            assert torch.equal(compat.forward(model, ids[:, 30:], other).logits, ref)
+    # without the windows or the length, the sliding layers would mask wrongly: refused
+    with pytest.raises(ValueError, match="full attention"):
+        compat.dynamic_cache_from(layers, [None] * 6)
+    with pytest.raises(ValueError, match="windows names 2 layers"):
+        compat.dynamic_cache_from(layers, [16, None])
+    with pytest.raises(ValueError, match="seq_len"):
+        compat.dynamic_cache_from(layers, windows, seq_len=20)
+    with pytest.raises(ValueError, match="windows"):
+        compat.dynamic_cache_from(layers, [0] * 5 + [None])
+    with pytest.raises(TypeError, match="DynamicCache"):
+        compat.cache_windows(torch.zeros(2))
