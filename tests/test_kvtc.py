@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import struct
+import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 from _synthetic_kv import correlated_layers
+from _tiny_models import gemma3_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Gemma3ForCausalLM
 
 import kvlib
-from kvlib import compat
+from kvlib import compat, rope
 from kvlib.eval import quality
 from kvlib.kvtc import codec as kvtc
+from kvlib.kvtc import codec as kvtc_format
 from kvlib.kvtc import pca
 
 
@@ -149,3 +157,137 @@ def test_bad_codec_inputs() -> None:
     wrong = compat.dynamic_cache_from(correlated_layers(1, 20, layers=3))
     with pytest.raises(ValueError, match="basis was fitted"):
         kvtc.KVTCCodec(basis).encode(wrong)
+
+
+# -- hybrid models: the global layers coded, the sliding windows stored whole ----------------
+
+
+class _CharTokenizer:
+    """Token ids from characters, for a tiny model with a 128-token vocabulary."""
+
+    def __call__(self, text: str, return_tensors: str = "pt") -> SimpleNamespace:
+        return SimpleNamespace(input_ids=torch.tensor([[ord(c) % 128 for c in text]]))
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma():
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(gemma3_config(window=16)).eval()
+
+
+def test_hybrid_basis_codes_the_global_layers(tiny_gemma) -> None:
+    text = kvlib.data.load_eval_text()[:3000]
+    basis = pca.fit_kv_pca(tiny_gemma, _CharTokenizer(), text, max_tokens=1024, chunk_len=64)
+    windows = compat.layer_windows(tiny_gemma.config)
+    assert basis.coded_layers == [i for i, w in enumerate(windows) if w is None] == [5]
+    assert basis.num_layers == 6 and basis.token_dim == 2 * 1 * 64
+    inv, scaling = rope.rope_from_config(tiny_gemma.config, "full_attention")
+    assert torch.equal(basis.inv_freq, inv) and basis.attention_scaling == scaling
+    sliding_inv, _ = rope.rope_from_config(tiny_gemma.config, "sliding_attention")
+    assert not torch.equal(inv, sliding_inv)  # the global layers' own RoPE, not the local one
+
+    ids = _CharTokenizer()(kvlib.data.load_eval_text()[5000:5060]).input_ids
+    cache = compat.prefill_cache(tiny_gemma, ids[:, :48])
+    codec = kvtc.KVTCCodec(basis, compression=2.0, sink_tokens=2, recent_tokens=8)
+    data = codec.encode(cache)
+    info = codec.inspect(data)
+    assert info.layer_tokens == (15, 15, 15, 15, 15, 48) and info.coded_layers == (5,)
+    assert info.fp16_bytes == sum(
+        2 * (k.numel() + v.numel()) for k, v in compat.cache_tensors(cache)
+    )
+    assert info.coded_fp16_bytes == 2 * 2 * 48 * 64
+    assert info.whole_bytes > 0
+    assert info.coded_compression_ratio() > info.compression_ratio()
+    out = codec.decode(data)
+    # the basis was fitted on the keys the cache holds (QK-normed, then rotated): the error
+    # on the coded tokens is what the calibration predicts
+    (k1, v1), (k2, v2) = compat.cache_tensors(cache)[5], compat.cache_tensors(out)[5]
+    measured = float(torch.cat([(k1 - k2)[:, :, 2:-8], (v1 - v2)[:, :, 2:-8]]).pow(2).mean())
+    assert 0.3 * codec.predicted_mse() < measured < 3 * codec.predicted_mse()
+    assert compat.cache_windows(out) == compat.cache_windows(cache) == windows
+    assert out.get_seq_length() == cache.get_seq_length() == 48
+    for i, ((k1, v1), (k2, v2)) in enumerate(
+        zip(compat.cache_tensors(cache), compat.cache_tensors(out), strict=True)
+    ):
+        assert k2.shape == k1.shape
+        if windows[i] is not None:  # stored whole, as float16
+            assert torch.equal(k2, k1.half().float()) and torch.equal(v2, v1.half().float())
+    # the decoded cache continues like the original: the sliding layers' masks are right
+    with torch.no_grad():
+        ref = compat.forward(tiny_gemma, ids[:, 48:], compat.clone_cache(cache)).logits
+        near = kvtc.KVTCCodec(basis, compression=1.0, max_bits=8, sink_tokens=2, recent_tokens=8)
+        got = compat.forward(tiny_gemma, ids[:, 48:], near.decode(near.encode(cache))).logits
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_a_full_model_basis_refuses_a_hybrid_cache(tiny_gemma) -> None:
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    cache = compat.prefill_cache(tiny_gemma, ids)
+    full = pca.fit_basis(
+        [(torch.randn(2, 1, 40, 64), torch.randn(2, 1, 40, 64)) for _ in range(6)],
+        cross_layer=False,
+    )
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        kvtc.KVTCCodec(full).encode(cache)
+    with pytest.raises(ValueError, match="coded_layers"):
+        pca.fit_basis(correlated_layers(8, 32), coded_layers=[0, 2])
+    with pytest.raises(ValueError, match="coded_layers"):
+        pca.fit_basis(correlated_layers(8, 32), coded_layers=[])
+    with pytest.raises(TypeError, match="coded_layers"):
+        pca.fit_basis(correlated_layers(8, 32), coded_layers="0")  # type: ignore[arg-type]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layout=st.lists(st.one_of(st.none(), st.integers(2, 30)), min_size=2, max_size=4).filter(
+        lambda ws: any(w is None for w in ws)
+    ),
+    seq=st.integers(14, 40),
+    cross=st.booleans(),
+)
+def test_hybrid_layouts_round_trip_and_count_every_byte(layout, seq, cross) -> None:
+    """Any mix of full and sliding layers: the whole layers come back as stored, every layer
+    keeps its length and window, and the header's byte counts add up."""
+    n = len(layout)
+    coded = [i for i, w in enumerate(layout) if w is None]
+    basis = pca.fit_basis(correlated_layers(8, 32, layers=n), cross_layer=cross, coded_layers=coded)
+    full = correlated_layers(1, seq, layers=n, seed=2)
+    layers = [kv if w is None else (kv[0][:, :, -(w - 1) :], kv[1][:, :, -(w - 1) :])
+              for kv, w in zip(full, layout, strict=True)]  # fmt: skip
+    cache = compat.dynamic_cache_from(layers, layout, seq_len=seq)
+    codec = kvtc.KVTCCodec(basis, compression=3.0, sink_tokens=2, recent_tokens=4)
+    data = codec.encode(cache)
+    info = codec.inspect(data)
+    assert info.nbytes == len(data)
+    assert info.fp16_bytes == sum(2 * (k.numel() + v.numel()) for k, v in layers)
+    assert info.coded_fp16_bytes == 2 * 2 * 2 * 8 * seq * len(coded)
+    assert (info.whole_bytes > 0) == (len(coded) < n)
+    out = codec.decode(data)
+    assert compat.cache_windows(out) == layout and out.get_seq_length() == seq
+    for (k1, v1), (k2, v2), w in zip(layers, compat.cache_tensors(out), layout, strict=True):
+        assert k2.shape == k1.shape and v2.shape == v1.shape
+        if w is not None:
+            assert torch.equal(k2, k1.half().float()) and torch.equal(v2, v1.half().float())
+
+
+def test_version_1_bytes_still_decode() -> None:
+    """Bytes written before the whole-layers section (format version 1) decode as before."""
+    basis = pca.fit_basis(correlated_layers(8, 32), cross_layer=True)
+    codec = kvtc.KVTCCodec(basis, compression=4.0, recent_tokens=4)
+    cache = compat.dynamic_cache_from(correlated_layers(1, 40, seed=1))
+    data = codec.encode(cache)
+    header, sections = kvtc_format._unpack(data)
+    for key in ("layer_tokens", "windows", "coded_layers"):
+        del header[key]
+    header["raw"], header["sections"] = header["raw"][:3], header["sections"][:3]
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    body = struct.pack("<4sHHI", kvtc.MAGIC, 1, 0, len(hbytes)) + hbytes + b"".join(sections[:3])
+    old = body + struct.pack("<I", zlib.crc32(body))
+    assert 1 in kvtc.READABLE_VERSIONS and kvtc.FORMAT_VERSION == 2
+    for (k1, v1), (k2, v2) in zip(
+        compat.cache_tensors(codec.decode(data)),
+        compat.cache_tensors(codec.decode(old)),
+        strict=True,
+    ):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert codec.inspect(old).whole_bytes == 0

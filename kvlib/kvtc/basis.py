@@ -36,9 +36,12 @@ class KVPCABasis:
     """A learned PCA transform for one model's keys and values.
 
     The feature axis is split into *blocks*: with ``cross_layer=True`` one block for all keys and
-    one for all values (feature size ``num_layers · kv_heads · head_dim``); otherwise one key and
-    one value block per layer (``kv_heads · head_dim``). ``blocks[i]`` lists the layers of block
-    ``i`` (the same for keys and values).
+    one for all values (feature size ``coded layers · kv_heads · head_dim``); otherwise one key
+    and one value block per layer (``kv_heads · head_dim``). ``blocks[i]`` lists the layers of
+    block ``i`` (the same for keys and values), as indices among the model's ``num_layers``.
+    The layers the blocks name are the *coded* layers: every layer on a full-attention model;
+    on a hybrid one (Gemma 3) the global layers, whose cache grows with the context, while the
+    codec stores each sliding-window layer whole (:mod:`kvlib.kvtc.codec`).
 
     Attributes:
         means: per block ``[keys..., values...]``, ``(dim,)`` float32 mean feature vector.
@@ -71,7 +74,12 @@ class KVPCABasis:
     # -- shape facts -------------------------------------------------------------------------
     @property
     def cross_layer(self) -> bool:
-        return len(self.blocks) == 1 and self.num_layers > 1
+        return len(self.blocks) == 1 and len(self.blocks[0]) > 1
+
+    @property
+    def coded_layers(self) -> list[int]:
+        """The model's layers the blocks code, in increasing order."""
+        return sorted({i for block in self.blocks for i in block})
 
     @property
     def undo_rope(self) -> bool:
@@ -79,8 +87,8 @@ class KVPCABasis:
 
     @property
     def token_dim(self) -> int:
-        """Elements of one token's keys + values over all layers."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim
+        """Elements of one token's keys + values over the coded layers."""
+        return 2 * len(self.coded_layers) * self.kv_heads * self.head_dim
 
     def block_dim(self, i: int) -> int:
         return len(self.blocks[i % len(self.blocks)]) * self.kv_heads * self.head_dim
@@ -147,19 +155,22 @@ class KVPCABasis:
         """Feature matrices of a cache, one per block (keys blocks, then values blocks).
 
         Args:
-            layers: per layer ``(keys, values)``, ``(batch, kv_heads, seq_len, head_dim)``.
+            layers: per layer of the model ``(keys, values)``, ``(batch, kv_heads, seq_len,
+                head_dim)``; only the coded layers are read (the others may hold any length).
             positions: ``(seq_len,)`` positions of the tokens (for undoing RoPE).
 
         Returns:
             Per block ``(batch · seq_len, dim)`` float32 (tokens on the first axis).
         """
-        keys, values = [], []
-        for k, v in layers:
+        keys: dict[int, torch.Tensor] = {}
+        values: dict[int, torch.Tensor] = {}
+        for i in self.coded_layers:
+            k, v = layers[i]
             k = k.float()
             if self.inv_freq is not None:
                 k = rope.undo_rope(k, positions, self.inv_freq, self.attention_scaling)
-            keys.append(k.permute(0, 2, 1, 3).reshape(k.shape[0] * k.shape[2], -1))
-            values.append(v.float().permute(0, 2, 1, 3).reshape(v.shape[0] * v.shape[2], -1))
+            keys[i] = k.permute(0, 2, 1, 3).reshape(k.shape[0] * k.shape[2], -1)
+            values[i] = v.float().permute(0, 2, 1, 3).reshape(v.shape[0] * v.shape[2], -1)
         out = []
         for src in (keys, values):
             for block in self.blocks:
@@ -172,8 +183,9 @@ class KVPCABasis:
         batch: int,
         positions: torch.Tensor,
         dtype: torch.dtype,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Inverse of :meth:`features`: per layer ``(keys, values)`` with RoPE re-applied."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Inverse of :meth:`features`: per layer of the model ``(keys, values)`` with RoPE
+        re-applied, ``None`` for a layer the basis does not code."""
         nb = len(self.blocks)
         seq = positions.numel()
         hd = self.kv_heads * self.head_dim
@@ -191,7 +203,7 @@ class KVPCABasis:
                             x.contiguous(), positions, self.inv_freq, self.attention_scaling
                         )
                     per_layer[layer][kind] = x.to(dtype).contiguous()
-        return [(k, v) for k, v in per_layer]  # type: ignore[misc]
+        return [(k, v) if k is not None and v is not None else None for k, v in per_layer]
 
     # -- persistence -------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvlib import rope
+from kvlib import compat, rope
 from kvlib.eval import capture
 from kvlib.kvtc.basis import KVPCABasis
 from kvlib.kvtc.bitalloc import MAX_BITS, calibrate_uniform_quantizer
@@ -247,6 +247,20 @@ def _check_fit_args(
     return batch, heads, seq, hd
 
 
+def _check_coded_layers(coded_layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The coded layers as a sorted list of distinct indices in ``0..num_layers-1``."""
+    if coded_layers is None:
+        return list(range(num_layers))
+    if isinstance(coded_layers, str | torch.Tensor) or not isinstance(coded_layers, Sequence):
+        raise TypeError("coded_layers must be a sequence of layer indices or None")
+    coded = [check_int(i, "coded_layers[...]", minimum=0) for i in coded_layers]
+    if not coded or len(set(coded)) != len(coded) or max(coded) >= num_layers:
+        raise ValueError(
+            f"coded_layers must name distinct layers in 0..{num_layers - 1} (got {list(coded_layers)})"
+        )
+    return sorted(coded)
+
+
 def _accumulate(
     basis: KVPCABasis,
     pieces: Sequence[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]],
@@ -299,6 +313,7 @@ def fit_basis(
     skip_tokens: int = 0,
     max_components: int | None = None,
     holdout_every: int = 4,
+    coded_layers: Sequence[int] | None = None,
 ) -> KVPCABasis:
     """Fit a :class:`KVPCABasis` on captured keys/values.
 
@@ -323,14 +338,17 @@ def fit_basis(
         max_components: keep at most this many components per block (``None``: all). Below
             half a block's size the top components come from randomized subspace iteration.
         holdout_every: hold out one calibration sequence in this many (>= 2).
+        coded_layers: the layers the basis codes (default all); on a hybrid model the global
+            layers, the codec storing the sliding-window layers whole.
     """
     batch, heads, seq, hd = _check_fit_args(layers, skip_tokens, max_components, holdout_every)
+    coded = _check_coded_layers(coded_layers, len(layers))
     if positions is None:
         positions = torch.arange(seq)
     if batch == 1 and seq - skip_tokens < 4:
         raise ValueError("one calibration sequence must hold at least 4 tokens after skip_tokens")
     num_layers = len(layers)
-    blocks = [list(range(num_layers))] if cross_layer else [[i] for i in range(num_layers)]
+    blocks = [coded] if cross_layer else [[i] for i in coded]
     basis = KVPCABasis(
         num_layers=num_layers, kv_heads=heads, head_dim=hd, blocks=blocks, means=[], components=[],
         variances=[], residual=[], unit_distortion=torch.ones(MAX_BITS + 1, dtype=torch.float64),
@@ -387,14 +405,32 @@ def fit_kv_pca(
         max_components: cap on components per block (``None``: as many as the data allows).
         undo_rope: de-rotate keys before PCA (recommended; see notebook 06).
 
+    On a model that mixes sliding-window and global layers (Gemma 3) the basis codes the
+    global layers, with their RoPE, and the codec stores the sliding windows whole: a window
+    holds a fixed number of tokens, while the global layers grow with the context.
+
     Returns:
         A :class:`KVPCABasis` on the CPU.
+
+    Raises:
+        ValueError: the model has no full-attention layer, or a layer type kvlib does not
+            serve (:func:`kvlib.compat.layer_windows`).
     """
+    windows = compat.layer_windows(model.config, owner="kvlib.kvtc")
+    coded = [i for i, w in enumerate(windows) if w is None]
+    if not coded:
+        raise ValueError("kvlib.kvtc codes the global layers: this model has none")
     layers = calibration_kv(model, tokenizer, texts, max_tokens=max_tokens, chunk_len=chunk_len)
-    inv_freq, scaling = rope.rope_parameters(model) if undo_rope else (None, 1.0)
+    if not undo_rope:
+        inv_freq, scaling = None, 1.0
+    elif len(coded) < len(windows):  # hybrid: the global layers' own RoPE
+        inv_freq, scaling = rope.rope_from_config(model.config, "full_attention")
+    else:
+        inv_freq, scaling = rope.rope_parameters(model)
     basis = fit_basis(
         layers, cross_layer=cross_layer, inv_freq=inv_freq, attention_scaling=scaling,
         skip_tokens=min(sink_tokens, chunk_len - 1), max_components=max_components,
+        coded_layers=coded,
     )  # fmt: skip
     basis.meta["model"] = str(getattr(model.config, "_name_or_path", "")) or model.config.model_type
     return basis
