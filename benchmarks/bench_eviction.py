@@ -26,7 +26,9 @@ cache keeps the sliding layers' windows whole in float16, and a budget is a shar
 full-attention layers' fp16 bytes (:func:`budget_bytes`): the windows alone are 56 % of Gemma 3
 270M's fp16 cache at 2,048 tokens, so a share of the whole could not hold them at 1/2. The
 tables then add the global layers' share beside the whole cache's, and rank by it. Transform
-coding is left out there (:mod:`kvlib.kvtc` codes full-attention layers only).
+coding is left out there: :mod:`kvlib.kvtc` codes a hybrid model's global layers since
+2026-12-07, but this table's ``kvtc`` rows have not been run on one (``bench_pca.py --model``
+measures it at its own budgets).
 
 Writes run ``"eviction"`` of ``kvlib/results.json`` (``"eviction/<model>"`` for another
 model; rows keyed ``<registry name>@1/<k>`` for eviction and transform coding, by registry name
@@ -428,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     segments = [all_ids[:, i * tokens : (i + 1) * tokens] for i in range(args.segments)]
     basis = None
     if hybrid and not args.no_kvtc:
-        log("transform coding left out: kvlib.kvtc codes full-attention layers only")
+        log("transform coding left out on a hybrid model (bench_pca.py --model measures it)")
     if not (args.no_kvtc or hybrid):
         t0 = time.perf_counter()
         basis = pca.fit_kv_pca(model, tok, calib, cross_layer=False, max_tokens=4096)
