@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
+from fractions import Fraction
 from typing import Any
 
 from kvlib import specs
@@ -40,6 +41,7 @@ from kvlib.validate import PRICED_BITS, check_bits, check_int, check_number
 __all__ = [
     "GIB",
     "GPUS",
+    "budget_bytes",
     "GPU_COMPUTE_CAPABILITY",
     "GPU_NAMED_GIB",
     "MIB",
@@ -228,6 +230,27 @@ def window_bytes(spec: specs.ModelSpec | str, seq_len: int, batch_size: int = 1)
         if kind == "sliding"
     )
     return _ceil_div(_bits_per_token_per_layer(spec, 16, None) * tokens * batch_size, 8)
+
+
+def budget_bytes(fp16_bytes: int, share: Fraction, window_bytes: int = 0) -> int:
+    """The bytes a cache keeps at a budget of ``share`` (``Fraction(1, 4)``) of an fp16 cache of
+    ``fp16_bytes``, its sliding windows' ``window_bytes`` (:func:`window_bytes`) kept whole:
+    ``window_bytes + floor((fp16_bytes - window_bytes) · share)``. With no windows it is a
+    share of the whole cache. The one rounding that the caches' budgets
+    (:func:`kvlib.caches.registry.share_bytes`) and the planner's eviction option use, so that
+    what the planner reserves per sequence is what the cache may hold.
+
+    Raises:
+        TypeError / ValueError: byte counts that are not ints, ``window_bytes`` outside
+            ``0..fp16_bytes``, or a share that is not a Fraction in (0, 1].
+    """
+    fp16_bytes = check_int(fp16_bytes, "fp16_bytes", minimum=0)
+    window_bytes = check_int(window_bytes, "window_bytes", minimum=0)
+    if window_bytes > fp16_bytes:
+        raise ValueError(f"window_bytes ({window_bytes}) must not exceed fp16_bytes ({fp16_bytes})")
+    if not isinstance(share, Fraction) or not 0 < share <= 1:
+        raise ValueError(f"share must be a Fraction in (0, 1] (got {share!r})")
+    return window_bytes + (fp16_bytes - window_bytes) * share.numerator // share.denominator
 
 
 def kv_bytes_per_token(

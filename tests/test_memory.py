@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
+from kvlib import memory
 from kvlib.memory import (
     GIB,
     GPUS,
@@ -505,3 +507,32 @@ def test_window_bytes_are_the_part_of_the_fp16_cache_that_stops_growing(name, se
 def test_window_bytes_refuses_bad_arguments(args, error):
     with pytest.raises(error):
         window_bytes(*args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fp16=st.integers(0, 2**40),
+    window_share=st.fractions(0, 1),
+    num=st.integers(1, 64),
+    den=st.integers(1, 64),
+)
+def test_budget_bytes_keeps_the_windows_and_a_share_of_the_rest(fp16, window_share, num, den):
+    share = Fraction(min(num, den), den)
+    windows = int(fp16 * window_share)
+    b = memory.budget_bytes(fp16, share, windows)
+    assert windows <= b <= fp16
+    assert b - windows <= (fp16 - windows) * share < b - windows + 1  # the rest, rounded down
+    assert memory.budget_bytes(fp16, Fraction(1), windows) == fp16
+    if share < 1:  # a smaller share never keeps more
+        assert memory.budget_bytes(fp16, share / 2, windows) <= b
+
+
+def test_budget_bytes_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="share"):
+        memory.budget_bytes(100, Fraction(3, 2))
+    with pytest.raises(ValueError, match="share"):
+        memory.budget_bytes(100, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="window_bytes"):
+        memory.budget_bytes(100, Fraction(1, 2), 101)
+    with pytest.raises(TypeError):
+        memory.budget_bytes(100.0, Fraction(1, 2))  # type: ignore[arg-type]

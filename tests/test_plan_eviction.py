@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -71,8 +72,8 @@ MEAS = _run(["1/4"], ROWS, BEST)
 
 
 def _holds(budget: int, fp16_bytes: int, keep: int, n: int) -> bool:
-    """n sequences each keeping ceil(fp16_bytes / keep) bytes fit in budget."""
-    return n * -(-fp16_bytes // keep) <= budget
+    """n sequences each keeping 1/keep of fp16_bytes fit in budget."""
+    return n * max(1, memory.budget_bytes(fp16_bytes, Fraction(1, keep))) <= budget
 
 
 # -------------------------------------------------------------------------------- the rule
@@ -94,7 +95,9 @@ def test_the_option_is_the_largest_fraction_that_holds_every_sequence(
         assert o is None
         return
     assert o is not None and o.keep == min(holding) and o.engine == "transformers"
-    assert o.bytes_per_sequence * o.keep >= fp16_bytes > (o.bytes_per_sequence - 1) * o.keep
+    # what the cache keeps at a budget of 1/keep (kvlib.memory.budget_bytes rounds down)
+    assert o.bytes_per_sequence == max(1, memory.budget_bytes(fp16_bytes, Fraction(1, o.keep)))
+    assert o.bytes_per_sequence * o.keep <= max(fp16_bytes, o.keep)
     # the count is every sequence the budget holds at that size: one more does not fit
     assert concurrency <= o.sequences and o.sequences * o.bytes_per_sequence <= budget
     assert (o.sequences + 1) * o.bytes_per_sequence > budget
@@ -126,9 +129,8 @@ def test_decide_offers_eviction_only_when_the_request_does_not_fit():
     assert d.status == "reduced" and d.eviction is not None
     o, budget, fp16 = d.eviction, d.budget.kv_budget_bytes, d.kv_bytes_per_sequence_fp16
     # the same bytes as the plan's: the fp16 cache of one sequence, cut to 1/k
-    assert o.bytes_per_sequence == -(-fp16 // o.keep) and o.sequences == budget // -(
-        -fp16 // o.keep
-    )
+    per_sequence = memory.budget_bytes(fp16, Fraction(1, o.keep))
+    assert o.bytes_per_sequence == per_sequence and o.sequences == budget // per_sequence
     assert o.sequences >= 5 and not _holds(budget, fp16, o.keep // 2, 5)
     # not one sequence fits at any bit width, yet a smaller budget holds it
     tight = decide(LLAMA8, 20, 131072, 1)
@@ -160,10 +162,10 @@ def test_a_hybrid_model_keeps_its_windows_whole_and_evicts_in_the_global_layers(
     windows = memory.window_bytes(gemma, 32768)
     assert o.window_bytes == windows > 0
     fp16 = d.kv_bytes_per_sequence_fp16
-    assert o.bytes_per_sequence == windows + -(-(fp16 - windows) // o.keep)
+    assert o.bytes_per_sequence == memory.budget_bytes(fp16, Fraction(1, o.keep), windows)
     assert o.sequences * o.bytes_per_sequence <= d.budget.kv_budget_bytes
     # a whole-cache share would have promised more than the cache can keep: the windows
-    assert o.bytes_per_sequence > -(-fp16 // o.keep)
+    assert o.bytes_per_sequence > memory.budget_bytes(fp16, Fraction(1, o.keep))
 
 
 @settings(max_examples=200, deadline=None)
@@ -182,7 +184,8 @@ def test_windows_kept_whole_cost_every_budget_their_bytes(
     plain = eviction_option(gemma, budget, fp16_bytes, concurrency, "reduced")
     if o is None:
         return
-    assert o.bytes_per_sequence == windows + -(-(fp16_bytes - windows) // o.keep)
+    kept = memory.budget_bytes(fp16_bytes, Fraction(1, o.keep), windows)
+    assert o.bytes_per_sequence == max(1, kept)
     assert o.sequences >= concurrency and o.sequences * o.bytes_per_sequence <= budget
     # the windows never make a budget cheaper: eviction keeps at least as much of the rest
     assert plain is not None and plain.keep <= o.keep

@@ -212,10 +212,8 @@ def share_bytes(config: Any, tokens: int, share: Fraction, *, of: str = "cache")
     if of not in ("cache", "global"):
         raise ValueError(f"of must be 'cache' or 'global' (got {of!r})")
     whole = fp16_bytes(config, tokens)
-    if of == "cache":
-        return whole * share.numerator // share.denominator
-    windows = window_fp16_bytes(config, tokens)
-    return windows + (whole - windows) * share.numerator // share.denominator
+    windows = window_fp16_bytes(config, tokens) if of == "global" else 0
+    return memory.budget_bytes(whole, share, windows)
 
 
 def window_fp16_bytes(config: Any, tokens: int) -> int:

@@ -28,7 +28,9 @@ bytes plus the windows (``window_bytes``, :func:`kvlib.memory.window_bytes`), as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
+from kvlib import memory
 from kvlib.specs import ModelSpec
 
 __all__ = ["EVICTION_ENGINE", "EVICTION_KEEP", "EvictionOption", "eviction_option", "evictable"]
@@ -82,8 +84,8 @@ def eviction_option(
     window_bytes: int = 0,
 ) -> EvictionOption | None:
     """The largest eviction budget 1/k (k in :data:`EVICTION_KEEP`) at which ``concurrency``
-    sequences fit ``kv_budget`` bytes when each keeps ``window_bytes + ceil((fp16_sequence_bytes
-    - window_bytes) / k)`` (``window_bytes``: the part of ``fp16_sequence_bytes`` the sliding
+    sequences fit ``kv_budget`` bytes when each keeps ``window_bytes + floor((fp16_sequence_bytes
+    - window_bytes) / k)`` (:func:`kvlib.memory.budget_bytes`, the budget the cache keeps; ``window_bytes``: the part of ``fp16_sequence_bytes`` the sliding
     layers' windows hold, kept whole); None when the plan holds them already (``status ==
     "ok"``), the weights leave no budget, the model is not :func:`evictable`, ``tp > 1``, or not
     even the smallest budget holds them.
@@ -99,7 +101,10 @@ def eviction_option(
     if status == "ok" or kv_budget <= 0 or tp != 1 or not evictable(spec):
         return None
     for keep in sorted(EVICTION_KEEP):
-        per_sequence = window_bytes + -(-(fp16_sequence_bytes - window_bytes) // keep)
+        # the cache's own budget (at least a byte: a sequence holds something)
+        per_sequence = max(
+            1, memory.budget_bytes(fp16_sequence_bytes, Fraction(1, keep), window_bytes)
+        )
         fits = kv_budget // per_sequence
         if fits >= concurrency:
             return EvictionOption(keep, fits, per_sequence, window_bytes=window_bytes)
