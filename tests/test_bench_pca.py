@@ -82,6 +82,9 @@ def test_hybrid_rows_read_the_global_layers_apart(bench) -> None:
     row = bench._row(by_name["PCA cross-layer, target 4x"], rows[0].ppl, hybrid=True)
     assert row["x_smaller_than_fp16_global_layers"] > row["x_smaller_than_fp16"]
     assert {"encode_s", "decode_s", "mse_predicted", "mse_measured"} <= set(row)
+    lines = bench.target_lines(rows, rows[0].ppl, hybrid=True).splitlines()
+    assert lines[0].startswith("Target ≥ 8× at") and "over the global layers" in lines[1]
+    assert len(bench.target_lines(rows, rows[0].ppl).splitlines()) == len(lines) - 1
 
 
 def test_variance_components_count_a_low_rank_cache(bench) -> None:

@@ -23,6 +23,7 @@ SECTION_RUNS = {
     "Quantization kernels (kvlib.quant.tensor)": "quant",
     "Quantized KV cache in transformers (kvlib.caches.quantized vs HF QuantizedCache)": "cache",
     "PCA transform coding (kvlib.kvtc.pca)": "pca",
+    "The same coding on Gemma 3 270M (run `pca/gemma-3-270m`)": "pca/gemma-3-270m",
     "TurboQuant and KVQuant at equal bits (benchmarks/bench_turboquant.py)": "turboquant",
     "The same run on Gemma 3 270M (run `turboquant/gemma-3-270m`)": "turboquant/gemma-3-270m",
     "The same table on Gemma 3 270M (run `eviction/gemma-3-270m`)": "eviction/gemma-3-270m",
