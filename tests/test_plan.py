@@ -17,6 +17,7 @@ from kvlib.caches import registry as cache_registry
 from kvlib.plan import budget as plan_budget
 from kvlib.plan import engine_support, engines
 from kvlib.plan import rule as plan_rule
+from kvlib.plan.measured import quality_note
 from kvlib.plan.planner import Plan, recommend
 from kvlib.results import RESULTS_ENV
 
@@ -495,6 +496,19 @@ def test_pca_idle_storage_only_for_many_conversations():
     assert chat.idle_storage == "prefix-caching" and chat.paging
     assert any("6.5–9.3× smaller than fp16" in r and "+0.4 % … +0.8 %" in r for r in chat.reasons)
     assert "finished turns kept by prefix caching" in chat.summary()
+    # a run on a hybrid model (its rows carry the ratio over the global layers) is read there:
+    # its whole-cache ratios are capped by the windows of a short prefix
+    hybrid = {
+        name: {
+            **r,
+            "x_smaller_than_fp16": 1.5,
+            "x_smaller_than_fp16_global_layers": 2 * r["x_smaller_than_fp16"],
+        }
+        for name, r in pca["rows"].items()
+    }
+    note = quality_note("pca", {"runs": {"pca": {**pca, "rows": hybrid}}})
+    assert "13–18.6× smaller than fp16 over the global layers (sliding windows kept whole)" in note
+    assert "1.5" not in note
     laptop = recommend("llama-3.1-8b", 64, 8192, concurrency=32, device="cpu", results=meas)
     assert laptop.engine == "llama.cpp" and laptop.idle_storage == "slot-reuse"
     assert any("--slot-save-path" in r and "llama.cpp cannot load" in r for r in laptop.reasons)

@@ -47,7 +47,10 @@ Transform coding (family ``kvtc``) is the one entry that is not a live cache: at
 reads it while decoding. A conversation's cache is encoded to bytes when a turn ends and decoded
 into a ``DynamicCache`` before the next, so :func:`make_cache` gives a
 :class:`~kvlib.kvtc.codec.KVTCCodec` for it, sized like an eviction budget (``kvtc@1/4`` stores
-about a quarter of the fp16 bytes of ``tokens`` tokens; :attr:`CacheInfo.stored`).
+about a quarter of the fp16 bytes of ``tokens`` tokens; :attr:`CacheInfo.stored`). On a
+hybrid model its basis codes the global layers and the codec stores the sliding windows whole,
+so the share is of the global layers' fp16 bytes, the windows on top (as ``share_bytes(...,
+of="global")`` counts an eviction budget).
 
 Token-eviction caches (:class:`kvlib.caches.eviction.cache.EvictionCache`, notebook 11, family
 ``evict``) are in the same table; their size is a budget rather than a bit width, given as part

@@ -59,6 +59,10 @@ def kv_label(t: EngineKV) -> str:
     return "fp16" if t.level == "fp16" else t.name
 
 
+#: The PCA run's ratio over a hybrid model's global layers (``benchmarks/bench_pca.py``).
+GLOBAL_RATIO = "x_smaller_than_fp16_global_layers"
+
+
 def fmt_pct(x: float) -> str:
     """A signed percentage to three significant figures: ``+2.25 %``."""
     return f"{x:+.3g} %"
@@ -72,7 +76,8 @@ def quality_note(
 ) -> str:
     """One line: the measured cost of a KV setting (``cache_name``, else the level's
     :data:`KV_SETTINGS` cache, by registry name, in the cache benchmark's run) or of ``"pca"``
-    storage (the cross-layer rows of the PCA run), or that it is not measured; ``label`` names
+    storage (the cross-layer rows of the PCA run; on a hybrid model's run their ratio over the
+    global layers), or that it is not measured; ``label`` names
     the setting in the line (default ``setting``). Where the benchmark measured several text
     segments, their range is given, and a range that spans zero is called no measurable cost
     (one segment's delta alone can fall either side of it). Never invents a number.
@@ -87,12 +92,18 @@ def quality_note(
             for key, r in (kvresults.rows(run) if run else {}).items()
             if key.cache == "PCA cross-layer" and isinstance(r, Mapping)
         ]
-        ratios = [r["x_smaller_than_fp16"] for r in rows if "x_smaller_than_fp16" in r]
+        # a hybrid model's run: the global layers are coded, the sliding windows kept whole,
+        # and a short prefix is mostly windows; the ratio over the global layers is the one
+        # that holds at long context
+        hybrid = any(GLOBAL_RATIO in r for r in rows)
+        key = GLOBAL_RATIO if hybrid else "x_smaller_than_fp16"
+        ratios = [r[key] for r in rows if key in r]
         deltas = [r["perplexity_delta_pct"] for r in rows if "perplexity_delta_pct" in r]
         if not ratios or not deltas:
             return "pca: storage figures not measured yet (benchmarks/bench_pca.py)"
+        where = " over the global layers (sliding windows kept whole)" if hybrid else ""
         return (
-            f"pca: {min(ratios):.3g}–{max(ratios):.3g}× smaller than fp16 at "
+            f"pca: {min(ratios):.3g}–{max(ratios):.3g}× smaller than fp16{where} at "
             f"{fmt_pct(min(deltas))} … {fmt_pct(max(deltas))} perplexity "
             f"{kvresults.citation(run)}"
         )
