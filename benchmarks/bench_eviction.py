@@ -294,6 +294,17 @@ def cache_factories(
     return factories
 
 
+def text_segments(tok, evaluation: str, tokens: int, n: int) -> list[torch.Tensor]:
+    """The first ``n`` segments of ``tokens`` token ids (``[1, tokens]`` each) of the
+    evaluation text, back to back: the protocol's perplexity segments."""
+    all_ids = tok(evaluation[: tokens * n * 8 + 1000], return_tensors="pt").input_ids
+    if all_ids.shape[1] < tokens * n:
+        raise SystemExit(
+            f"the evaluation text holds {all_ids.shape[1]} tokens, fewer than --segments x --tokens"
+        )
+    return [all_ids[:, i * tokens : (i + 1) * tokens] for i in range(n)]
+
+
 def budget_bytes(config: Any, tokens: int, k: int) -> int:
     """``max_bytes`` of the budget 1/k at ``tokens`` tokens: a share of the full-attention layers'
     fp16 bytes, the sliding layers' windows kept whole
@@ -422,12 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     config, tokens = model.config, args.tokens
     hybrid = cache_registry.window_fp16_bytes(config, tokens - 1) > 0
     calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
-    all_ids = tok(evaluation[: tokens * args.segments * 8 + 1000], return_tensors="pt").input_ids
-    if all_ids.shape[1] < tokens * args.segments:
-        raise SystemExit(
-            f"the evaluation text holds {all_ids.shape[1]} tokens, fewer than --segments x --tokens"
-        )
-    segments = [all_ids[:, i * tokens : (i + 1) * tokens] for i in range(args.segments)]
+    segments = text_segments(tok, evaluation, tokens, args.segments)
     basis = None
     if hybrid and not args.no_kvtc:
         log("transform coding left out on a hybrid model (bench_pca.py --model measures it)")

@@ -425,3 +425,31 @@ def test_every_policy_is_a_class_in_its_own_module():
             assert 0 <= policy.window(budget, sinks, None) <= budget - sinks
     with pytest.raises(NotImplementedError):
         Policy().score(None)
+
+
+def test_rotate_option_sets_the_keys_rotation() -> None:
+    """``rotate=None`` rotates int4 keys of a power-of-two head_dim, ``False`` never does, and
+    the two store different codes for the same keys; bad values are refused."""
+    from _tiny_models import llama_config
+
+    from kvlib.caches.eviction.cache import EvictionCache
+
+    cfg = llama_config()  # head_dim 16
+    default, plain = (EvictionCache(cfg, "streaming", 64, bits=4, rotate=r) for r in (None, False))
+    assert default.rotation is not None and plain.rotation is None
+    assert (
+        EvictionCache(cfg, "streaming", 64, rotate=None).rotation is None
+    )  # float16: nothing to rotate
+    k = torch.randn(1, 2, 8, 16) * torch.linspace(0.1, 8, 16)  # a few outlier channels
+    for c in (default, plain):
+        c.update(k, k.clone(), 0)
+    k_rot, k_plain = default.layers[0].stored()[0], plain.layers[0].stored()[0]
+    assert not torch.equal(k_rot, k_plain)
+    for got in (k_rot, k_plain):  # both are int4 reconstructions of the same keys
+        assert (got - k).abs().max() < 0.2 * k.abs().max()
+    with pytest.raises(ValueError, match="rotate=True"):
+        EvictionCache(cfg, "streaming", 64, rotate=True)  # float16 keys
+    with pytest.raises(ValueError, match="power-of-two"):
+        EvictionCache(llama_config(head_dim=24), "streaming", 64, bits=4, rotate=True)
+    with pytest.raises(TypeError, match="rotate"):
+        EvictionCache(cfg, "streaming", 64, bits=4, rotate="yes")  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ __all__ = [
     "RecipeResult",
     "evaluate_recipes",
     "evaluate_recipe",
+    "channel_spread",
 ]
 
 
@@ -136,6 +137,27 @@ def attention_output_error(
     if denom == 0:
         return float(torch.linalg.vector_norm(approx - ref))
     return float(torch.linalg.vector_norm(approx - ref) / denom)
+
+
+def channel_spread(k: torch.Tensor) -> float:
+    """How far a tensor's strongest channel stands out: per KV head, the largest channel RMS
+    over the median channel RMS (RMS over batch and tokens), averaged over heads. Per-token
+    quantization groups share one scale across channels, so a large spread wastes their
+    levels on the weak channels; per-channel groups do not mind it.
+
+    Args:
+        k: ``(batch, kv_heads, seq_len, head_dim)`` keys (or values).
+
+    Raises:
+        ValueError: not a 4-D tensor, or every channel of a head zero.
+    """
+    if not isinstance(k, torch.Tensor) or k.ndim != 4 or k.numel() == 0:
+        raise ValueError("k must be a non-empty (batch, kv_heads, seq_len, head_dim) tensor")
+    rms = k.double().pow(2).mean(dim=(0, 2)).sqrt()  # (kv_heads, head_dim)
+    median = rms.median(dim=-1).values
+    if (median == 0).any():
+        raise ValueError("a head's median channel is zero: its spread is undefined")
+    return float((rms.amax(dim=-1) / median).mean())
 
 
 @dataclass(frozen=True)

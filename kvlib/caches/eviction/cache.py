@@ -145,6 +145,20 @@ def _budget_for_bytes(
     return budget, residual
 
 
+def _rotates(rotate: bool | None, bits: int | None, head_dim: int) -> bool:
+    """Whether keys are Hadamard-rotated (:class:`EvictionCache`'s ``rotate``)."""
+    if rotate is not None and not isinstance(rotate, bool):
+        raise TypeError(f"rotate must be True, False or None (got {rotate!r})")
+    quantized = bits is not None and bits < 8
+    power_of_two = not head_dim & (head_dim - 1)
+    if rotate and not (quantized and power_of_two):
+        raise ValueError(
+            f"rotate=True needs bits below 8 and a power-of-two head_dim (bits={bits}, "
+            f"head_dim={head_dim})"
+        )
+    return quantized and power_of_two if rotate is None else rotate
+
+
 class EvictionCache(ByteCounts, Cache):
     """A transformers cache that keeps at most ``budget`` tokens per layer and KV head.
 
@@ -166,6 +180,10 @@ class EvictionCache(ByteCounts, Cache):
         dtype: storage dtype when not quantized, and of the residual (``None``: the model's).
         group_size: channels per scale when quantized (default: the largest divisor of
             head_dim up to :data:`~kvlib.caches.eviction.layer.GROUP_SIZE`, 32).
+        rotate: Hadamard-rotate the keys before quantizing them below 8 bits: ``None`` (the
+            default) when head_dim is a power of two, ``False`` never, ``True`` always (a
+            power-of-two head_dim and ``bits`` below 8 required). On Gemma 3 270M the rotation
+            helps some text and hurts other text (``benchmarks/bench_keys.py``).
 
     Raises:
         TypeError / ValueError: unknown policy, a budget that is not an int >= 1 (or does not
@@ -187,6 +205,7 @@ class EvictionCache(ByteCounts, Cache):
         residual: int = 0,
         dtype: torch.dtype | None = None,
         group_size: int | None = None,
+        rotate: bool | None = None,
     ) -> None:
         if not hasattr(config, "get_text_config"):
             raise TypeError(
@@ -215,8 +234,7 @@ class EvictionCache(ByteCounts, Cache):
                 max_bytes, windows, geo, policy, bits, residual, store
             )
         self.budget, self.bits, self.max_bytes = budget, bits, max_bytes
-        rotate = bits is not None and bits < 8 and not geo.head_dim & (geo.head_dim - 1)
-        self.rotation = hadamard(geo.head_dim) if rotate else None
+        self.rotation = hadamard(geo.head_dim) if _rotates(rotate, bits, geo.head_dim) else None
         layers: list[CacheLayerMixin] = [
             EvictionLayer(
                 policy,
