@@ -300,6 +300,7 @@ _ENGINES_BY_SOURCE: dict[str, str] = {
     "benchmarks/bench_cache.py": "transformers",
     "benchmarks/bench_pca.py": "transformers",
     "benchmarks/bench_eviction.py": "transformers",
+    "benchmarks/bench_keys.py": "transformers",
     "benchmarks/bench_kvpress.py": "transformers + kvpress",
     "benchmarks/bench_engines.py": "llama.cpp",
     "benchmarks/bench_vllm.py": "vLLM",

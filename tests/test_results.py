@@ -39,6 +39,8 @@ SECTION_RUNS = {
     "Every family at equal bytes (benchmarks/bench_eviction.py)": "eviction",
     "Group size of eviction on int4 (benchmarks/bench_eviction.py --int4-groups)": "eviction_int4_groups",
     "kvlib's policies against kvpress 0.5.5 (benchmarks/bench_kvpress.py)": "kvpress",
+    "The keys behind int4 eviction's cost (benchmarks/bench_keys.py)": "keys",
+    "The same on Gemma 3 270M (run `keys/gemma-3-270m`)": "keys/gemma-3-270m",
 }
 
 
