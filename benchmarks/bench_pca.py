@@ -93,22 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--refit", action="store_true", help="fit the bases even if cached")
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(OFFLINE_MODELS))
     ap.add_argument("--no-json", action="store_true", help="do not write kvlib/results.json")
-    ap.add_argument(
-        "--targets",
-        type=float,
-        nargs="+",
-        default=None,
-        metavar="X",
-        help="the cross-layer basis's target ratios (default 12 16 24 32 48 64, quick 16 32 64)",
-    )
-    ap.add_argument(
-        "--per-layer-targets",
-        type=float,
-        nargs="+",
-        default=None,
-        metavar="X",
-        help="the per-layer basis's target ratios (default 8 16 32, quick 16 32)",
-    )
+    for flag, basis, defaults in (
+        ("--targets", "cross-layer", "12 16 24 32 48 64, quick 16 32 64"),
+        ("--per-layer-targets", "per-layer", "8 16 32, quick 16 32"),
+    ):
+        ap.add_argument(
+            flag, type=float, nargs="+", default=None, metavar="X",
+            help=f"the {basis} basis's target ratios (default {defaults})",
+        )  # fmt: skip
     ap.add_argument(
         "--min-run-time",
         type=float,
