@@ -10,13 +10,14 @@ and ``eviction/gemma-3-270m``), where kvlib-int4's per-channel keys cost either 
 This benchmark measures, on each model's global (full-attention) layers:
 
 1. **The keys** (:func:`kvlib.eval.capture.capture_qkv`) of the first 1,024 tokens of each
-   perplexity segment: how far the strongest channel stands out
-   (:func:`kvlib.eval.capture.channel_spread`), and the attention-output error (the newest 256
+   perplexity segment: how far a head's strongest channel stands out over its median channel,
+   head-wide (:func:`kvlib.eval.capture.channel_spread`, averaged over the global layers), and the attention-output error (the newest 256
    queries; :func:`kvlib.eval.capture.evaluate_recipes`) of three 4-bit recipes of notebook 03:
    keys per token in groups of 32 channels (what eviction stores), the same after a Hadamard
-   rotation (eviction's default), and per channel in groups of 32 tokens (KIVI's keys, no
-   window). Values are stored per token in groups of 32 channels in all three, so the recipes
-   differ in the keys only.
+   rotation of the keys (eviction's default), and per channel in groups of 32 tokens (KIVI's
+   keys, which eviction cannot store). Values are stored per token in groups of 32 channels,
+   unrotated, in all three, so the recipes differ in the keys only. No float16 window (eviction
+   keeps its newest tokens in float16): every measured token is quantized.
 2. **Perplexity** of ``evict-h2o-int4`` at 1/2 of the global layers' fp16 bytes, with the
    rotation (kvlib's default) and without (``rotate=False``), chunked on the three 2,048-token
    segments of ``bench_eviction.py``, against the model's own DynamicCache.
@@ -46,12 +47,20 @@ from kvlib.quant.recipes import KVRecipe
 
 #: Notebook 03's 4-bit recipes, by the name the results file keys them by, in groups of 32 as
 #: eviction stores its tokens (``default_group``): keys per token (32 channels), the same after
-#: a Hadamard rotation, or per channel (32 tokens); values per token (32 channels) in all three.
+#: a Hadamard rotation of the keys (values unrotated, as eviction does), or per channel (32
+#: tokens); values per token (32 channels) in all three. No float16 window: every token of the
+#: measured 1,024 is quantized (eviction keeps its newest tokens in float16).
 RECIPES = {
     "per-token": KVRecipe(4, key_axis=-1, value_axis=-1, key_group_size=32, value_group_size=32),
     "per-token, rotated": KVRecipe(
-        4, key_axis=-1, value_axis=-1, key_group_size=32, value_group_size=32, rotate=True
-    ),
+        4,
+        key_axis=-1,
+        value_axis=-1,
+        key_group_size=32,
+        value_group_size=32,
+        rotate=True,
+        rotate_values=False,
+    ),  # fmt: skip
     "per-channel": KVRecipe(4, key_axis=-2, value_axis=-1, key_group_size=32, value_group_size=32),
 }
 KEY_TOKENS, QUERIES, SEGMENTS, TOKENS = 1024, 256, 3, 2048

@@ -150,3 +150,21 @@ def test_recipe_labels():
     assert KVRecipe(4, -2, -1, key_group_size=32, residual=128).label == "K/ch V/tok 4b r128"
     assert KVRecipe(2, -1, -1, rotate=True, sinks=4).label == "K/tok V/tok 2b H s4"
     assert KVRecipe(4, name="KIVI").label == "KIVI"
+
+
+def test_rotate_values_false_rotates_the_keys_only():
+    """Eviction's layout: keys rotated, values not. Each half equals the recipe that treats it
+    the same way, and the bytes do not change."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 64, 32, generator=g) * torch.linspace(0.1, 6, 32)
+    v = torch.randn(1, 2, 64, 32, generator=g)
+    base = {"key_axis": -1, "value_axis": -1, "key_group_size": 8, "value_group_size": 8}
+    both = quantize_kv(k, v, KVRecipe(4, rotate=True, **base))
+    plain = quantize_kv(k, v, KVRecipe(4, **base))
+    keys_only = quantize_kv(k, v, KVRecipe(4, rotate=True, rotate_values=False, **base))
+    assert torch.equal(keys_only.keys, both.keys) and torch.equal(keys_only.values, plain.values)
+    assert not torch.equal(keys_only.values, both.values)
+    assert keys_only.nbytes == both.nbytes == plain.nbytes
+    assert KVRecipe(4, rotate=True, rotate_values=False, **base).label.endswith("HK")
+    with pytest.raises(ValueError, match="rotate_values"):
+        KVRecipe(4, rotate=True, rotate_values="no")  # type: ignore[arg-type]

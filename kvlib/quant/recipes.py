@@ -41,7 +41,8 @@ class KVRecipe:
     per-channel group runs along the tokens, the quantized window is trimmed to a whole number
     of groups and the leftover tokens join the float16 residual window — as KIVI keeps the
     not-yet-full group in full precision. ``rotate`` multiplies head_dim by an orthonormal
-    Hadamard matrix (:func:`kvlib.quant.tensor.hadamard`) before quantizing and rotates back after.
+    Hadamard matrix (:func:`kvlib.quant.tensor.hadamard`) before quantizing and rotates back after;
+    ``rotate_values=False`` rotates the keys only, as kvlib's eviction caches do.
     ``bits=16`` stores everything in float16 (the baseline).
 
     The KIVI recipe (Liu et al., 2024) is ``KVRecipe(bits, key_axis=-2, value_axis=-1,
@@ -58,6 +59,7 @@ class KVRecipe:
     residual: int = 0
     sinks: int = 0
     rotate: bool = False
+    rotate_values: bool = True
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -77,6 +79,9 @@ class KVRecipe:
                 raise ValueError(f"{field} must be a positive int or None (got {g!r})")
             if getattr(self, field.replace("group_size", "axis")) is None:
                 raise ValueError(f"{field} needs a key/value axis (per-tensor has no groups)")
+        for field in ("rotate", "rotate_values"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be True or False (got {getattr(self, field)!r})")
         for field in ("residual", "sinks"):
             n = getattr(self, field)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -92,7 +97,7 @@ class KVRecipe:
         axes = {None: "tensor", -1: "tok", -2: "ch"}
         parts = [f"K/{axes[self.key_axis]}", f"V/{axes[self.value_axis]}", f"{self.bits}b"]
         if self.rotate:
-            parts.append("H")
+            parts.append("H" if self.rotate_values else "HK")
         if self.sinks:
             parts.append(f"s{self.sinks}")
         if self.residual:
@@ -128,10 +133,11 @@ def _token_group(recipe: KVRecipe) -> int:
 
 
 def _quantize_window(
-    x: torch.Tensor, recipe: KVRecipe, axis: int | None, group_size: int | None
+    x: torch.Tensor, recipe: KVRecipe, axis: int | None, group_size: int | None, turn: bool
 ) -> tuple[torch.Tensor, int]:
-    """Quantize + dequantize ``x`` (b, h, n, d) per the recipe; (reconstruction, bytes)."""
-    h = hadamard(x.shape[-1], dtype=torch.float32, device=x.device) if recipe.rotate else None
+    """Quantize + dequantize ``x`` (b, h, n, d) per the recipe, Hadamard-rotated when ``turn``;
+    (reconstruction, bytes)."""
+    h = hadamard(x.shape[-1], dtype=torch.float32, device=x.device) if turn else None
     work = rotate(x, h) if h is not None else x
     if axis is None:
         q = quantize(work.reshape(-1), recipe.bits, axis=0, symmetric=recipe.symmetric)
@@ -183,13 +189,18 @@ def quantize_kv(keys: torch.Tensor, values: torch.Tensor, recipe: KVRecipe) -> Q
 
     nbytes = 2 * fp16_tokens * per_token_fp16
     outs = []
-    for x, axis, gs in (
-        (keys, recipe.key_axis, recipe.key_group_size),
-        (values, recipe.value_axis, recipe.value_group_size),
+    for x, axis, gs, turn in (
+        (keys, recipe.key_axis, recipe.key_group_size, recipe.rotate),
+        (
+            values,
+            recipe.value_axis,
+            recipe.value_group_size,
+            recipe.rotate and recipe.rotate_values,
+        ),
     ):
         y = x.to(torch.float16, copy=True).to(x.dtype)  # the float16 windows (a copy)
         if end > start:
-            mid, n = _quantize_window(x[:, :, start:end], recipe, axis, gs)
+            mid, n = _quantize_window(x[:, :, start:end], recipe, axis, gs, turn)
             y[:, :, start:end] = mid
             nbytes += n
         outs.append(y)
