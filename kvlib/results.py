@@ -48,6 +48,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "cache_cost",
     "cache_costs",
+    "key_means",
     "load_results",
     "citation",
     "device",
@@ -413,6 +414,23 @@ def reference(entry: Mapping[str, Any], group: str = "rows") -> RowKey:
             f"found {[str(k) for k in found]}"
         )
     return found[0]
+
+
+def key_means(entry: Mapping[str, Any]) -> dict[str, float]:
+    """Means over segments of a ``benchmarks/bench_keys.py`` run's key measurements:
+    ``"channel spread"`` and, per recipe (``"per-token"``, ``"per-token, rotated"``,
+    ``"per-channel"``), its attention-output error.
+
+    Raises:
+        ValueError: the run has no key measurements.
+    """
+    keys = entry.get("keys") if isinstance(entry, Mapping) else None
+    if not isinstance(keys, Mapping) or "channel_spread_segments" not in keys:
+        raise ValueError("not a benchmarks/bench_keys.py run (no key measurements)")
+    prefix = "attention_error_segments "
+    out = {"channel spread": keys["channel_spread_segments"]}
+    out |= {name[len(prefix) :]: v for name, v in keys.items() if name.startswith(prefix)}
+    return {name: sum(v) / len(v) for name, v in out.items()}
 
 
 def rows(entry: Mapping[str, Any], group: str = "rows") -> dict[RowKey, Mapping[str, Any]]:

@@ -450,3 +450,20 @@ def test_retrieval_columns_of_the_eviction_run_match_its_settings():
         RetrievalColumn(1024.0)
     with pytest.raises(ValueError):
         RetrievalColumn(0)
+
+
+def test_key_means_average_a_keys_run_over_its_segments():
+    run = {
+        "keys": {
+            "channel_spread_segments": [8.0, 10.0],
+            "attention_error_segments per-token": [0.2, 0.4],
+            "attention_error_segments per-channel": [0.1, 0.1],
+        }
+    }
+    assert results.key_means(run) == pytest.approx(
+        {"channel spread": 9.0, "per-token": 0.3, "per-channel": 0.1}
+    )
+    gemma = results.key_means(results.run("keys/gemma-3-270m"))
+    assert set(gemma) == {"channel spread", "per-token", "per-token, rotated", "per-channel"}
+    with pytest.raises(ValueError, match="bench_keys"):
+        results.key_means(results.run("pca"))
