@@ -384,10 +384,22 @@ def test_one_shared_prefill_answers_as_generate_does_on_a_hybrid_model(gemma):
     grid = {"context_tokens": (200,), "depths": (0.3, 0.8), "trials": 1, "seed": 2}
     from unittest import mock
 
+    def stored(cache):  # storage between turns, e.g. kvtc: gets what the model's cache holds
+        return cache, compat.cache_nbytes(cache)
+
     with mock.patch("kvlib.eval.passkey.load_eval_text", return_value=corpus):
-        shared = retrieval.compare_retrieval(gemma, tok, caches, **grid)
+        shared = retrieval.compare_retrieval(
+            gemma, tok, caches, restored={"stored": stored}, **grid
+        )
         for name, factory in caches.items():
             alone = retrieval.evaluate_retrieval(gemma, tok, factory, **grid)
             for a, b in zip(shared[name].records, alone.records, strict=True):
                 assert b["output"].startswith(a["output"]) and a["correct"] == b["correct"], name
     assert shared["h2o"].records[0]["nbytes"] < shared["dynamic"].records[0]["nbytes"]
+    # the stored cache holds each sliding layer's window, not the whole prompt
+    assert [r["nbytes"] for r in shared["stored"].records] == [
+        r["nbytes"] for r in shared["dynamic"].records
+    ]
+    assert [r["output"] for r in shared["stored"].records] == [
+        r["output"] for r in shared["dynamic"].records
+    ]

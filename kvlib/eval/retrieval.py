@@ -340,7 +340,8 @@ def compare_retrieval(
     Args:
         caches: ``{name: cache factory}`` (``None``: a DynamicCache).
         restored: ``{name: restore}`` for storage between turns (e.g. a KVTC codec):
-            ``restore(prompt_cache)`` gets the prompt's DynamicCache and returns the cache the
+            ``restore(prompt_cache)`` gets the prompt's DynamicCache, as the model's own cache
+            holds it after the prefill (a sliding layer: its window), and returns the cache the
             answer is decoded from and the bytes it was stored in.
         progress: a tqdm bar over the prompts (on stderr).
         Other arguments: as :func:`evaluate_retrieval`.
@@ -375,8 +376,10 @@ def compare_retrieval(
                     cache = factory() if factory is not None else compat.dynamic_cache(model.config)
                     _fill(cache, name, states, queries)
                     nbytes = compat.cache_nbytes(cache)
-                else:
-                    cache, nbytes = restored[name](compat.clone_cache(prompt_cache))
+                else:  # stored as the model's own cache holds it: each sliding layer's window
+                    cache = compat.dynamic_cache(model.config)
+                    _fill(cache, name, states, queries)
+                    cache, nbytes = restored[name](cache)
                 text = _decode_answer(model, tokenizer, cache, first, trial.key_digits + 4, eos)
                 results[name].records.append(_record(trial, text, nbytes=int(nbytes)))
     return results
