@@ -9,9 +9,9 @@ runs as a peer in its own virtual environment, the way a user would compare the 
 This script (in the project's environment) builds seeded pass-key prompts
 (:mod:`kvlib.eval.retrieval`, ~1k tokens), hands their token ids and the bundled model's
 safetensors copy to ``.venv-kvpress/bin/python benchmarks/bench_kvpress.py --peer``, and runs
-kvlib's policies on the same ids. For kvpress's ``StreamingLLMPress``, ``SnapKVPress`` and
-``KnormPress`` and kvlib's ``streaming``, ``snapkv`` and ``knorm`` at the same number of kept
-tokens (``int(n * (1 - compression_ratio))`` per layer and KV head, all of the prompt prefilled
+kvlib's policies on the same ids. For kvpress's ``StreamingLLMPress``, ``SnapKVPress``,
+``KnormPress`` and ``TOVAPress`` and kvlib's ``streaming``, ``snapkv``, ``knorm`` and ``tova``
+at the same number of kept tokens (``int(n * (1 - compression_ratio))`` per layer and KV head, all of the prompt prefilled
 in one pass, as kvlib's retrieval task does), it compares
 
 * which tokens are kept: per layer and KV head, the overlap ``|A ∩ B| / |A|`` of the kept
@@ -23,7 +23,16 @@ in one pass, as kvlib's retrieval task does), it compares
   for the answer after the prefill (the answers then compare the same computation).
 
 kvlib's SnapKV observation window is set to kvpress's 64 tokens here (its default is 32), so
-the two compute the same algorithm. Writes run ``"kvpress"`` of ``kvlib/results.json``.
+the two compute the same algorithm. kvpress's TOVA keeps the last token (its score padded
+above every other), as kvlib's one-token TOVA window does.
+
+kvlib's H2O has no counterpart in kvpress 0.5.5: its ``ObservedAttentionPress``, which cites
+H2O, scores a token by the *mean* attention it received from the queries that could see it
+(the sum divided by their count) and keeps no recent half, where H2O sums the attention and
+gives half the budget to the newest tokens. Comparing the two would measure that difference,
+not either implementation, so H2O is checked against its definition in the unit tests only.
+
+Writes run ``"kvpress"`` of ``kvlib/results.json``.
 """
 
 from __future__ import annotations
@@ -39,7 +48,12 @@ from pathlib import Path
 
 from _tables import markdown_table
 
-PRESSES = {"streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress"}
+PRESSES = {
+    "streaming": "StreamingLLMPress",
+    "snapkv": "SnapKVPress",
+    "knorm": "KnormPress",
+    "tova": "TOVAPress",
+}
 SNAPKV_WINDOW = 64  # kvpress's default window_size (kernel 5 in both)
 RATIOS = (0.5, 0.75, 0.875)  # kept: 1/2, 1/4, 1/8 of the prompt's tokens
 PEER_PYTHON = Path(".venv-kvpress/bin/python")

@@ -13,7 +13,10 @@ from kvlib import compat
 from kvlib.caches import registry as cache_registry
 from kvlib.caches.eviction import scores as es
 from kvlib.caches.eviction.cache import POLICIES, EvictionCache, capture_queries, token_nbytes
+from kvlib.caches.eviction.h2o import H2O
+from kvlib.caches.eviction.policy import Observation
 from kvlib.caches.eviction.snapkv import snapkv_scores
+from kvlib.caches.eviction.tova import TOVA
 from kvlib.keys import RowKey
 from kvlib.specs import kv_geometry
 
@@ -338,6 +341,49 @@ def test_snapkv_scores_match_a_direct_computation():
     pooled = (padded[..., :-2] + padded[..., 1:-1] + padded[..., 2:]) / 3
     torch.testing.assert_close(got[..., :16], pooled.mean(2))
     assert torch.equal(got[..., 16:], got[..., :16].amax(-1, keepdim=True).expand(1, 2, 4))
+
+
+def _observation(q_len: int, n: int, previous: torch.Tensor | None = None, seed: int = 2):
+    """Random queries and keys for 4 query heads on 2 KV heads: the last ``q_len`` of ``n``."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 2, n, 8, generator=g)
+    return Observation(
+        keys=keys,
+        positions=torch.arange(n).expand(1, 2, n),
+        q_len=q_len,
+        seen=n,
+        window=1,
+        previous=previous,
+        queries=torch.randn(1, 4, q_len, 8, generator=g),
+        scaling=8**-0.5,
+    )
+
+
+def _direct_weights(seen: Observation) -> torch.Tensor:
+    """``(heads, q_len, n)`` causal softmax attention, written out head by head."""
+    n, first = seen.keys.shape[2], seen.seen - seen.q_len
+    out = torch.zeros(4, seen.q_len, n)
+    for h in range(4):
+        logits = seen.queries[0, h] @ seen.keys[0, h // 2].T * seen.scaling
+        for i in range(seen.q_len):
+            out[h, i, : first + i + 1] = torch.softmax(logits[i, : first + i + 1], -1)
+    return out
+
+
+def test_h2o_scores_sum_the_attention_each_token_received():
+    seen = _observation(q_len=300, n=330, previous=torch.rand(1, 2, 30))  # > one query slice
+    got = H2O().score(seen)
+    w = _direct_weights(seen).sum(1)  # (heads, n): summed over the queries
+    want = torch.stack([w[0] + w[1], w[2] + w[3]])  # and over each KV head's query heads
+    want[:, :30] += seen.previous[0]
+    torch.testing.assert_close(got[0], want)
+
+
+def test_tova_scores_are_the_last_querys_attention_over_every_head():
+    seen = _observation(q_len=5, n=12)
+    got = TOVA().score(seen)
+    want = _direct_weights(seen)[:, -1].mean(0)
+    torch.testing.assert_close(got[0], torch.stack([want, want]))
 
 
 @settings(max_examples=60, deadline=None)
