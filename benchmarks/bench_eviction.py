@@ -26,9 +26,11 @@ cache keeps the sliding layers' windows whole in float16, and a budget is a shar
 full-attention layers' fp16 bytes (:func:`budget_bytes`): the windows alone are 56 % of Gemma 3
 270M's fp16 cache at 2,048 tokens, so a share of the whole could not hold them at 1/2. The
 tables then add the global layers' share beside the whole cache's, and rank by it. Transform
-coding is left out there: :mod:`kvlib.kvtc` codes a hybrid model's global layers since
-2026-12-07, but this table's ``kvtc`` rows have not been run on one (``bench_pca.py --model``
-measures it at its own budgets).
+coding codes the global layers there (:mod:`kvlib.kvtc`) and stores the windows whole, so its
+rows too are sized by a share of the global layers' bytes. ``--add-kvtc`` adds the transform
+coding rows to a run recorded without them (the Gemma run was, before :mod:`kvlib.kvtc` coded
+hybrid models): it fits the basis, answers the run's own retrieval prompts (same seed and grid;
+the reference's answers are checked against the recorded ones) and records when and how.
 
 Writes run ``"eviction"`` of ``kvlib/results.json`` (``"eviction/<model>"`` for another
 model; rows keyed ``<registry name>@1/<k>`` for eviction and transform coding, by registry name
@@ -38,6 +40,7 @@ family at each budget.
     .venv/bin/python benchmarks/bench_eviction.py            # 2048 tokens, 1k + 2k retrieval
     .venv/bin/python benchmarks/bench_eviction.py --quick    # 1024 tokens, 1/4 and 1/8, 1k
     .venv/bin/python benchmarks/bench_eviction.py --model gemma-3-270m
+    .venv/bin/python benchmarks/bench_eviction.py --model gemma-3-270m --add-kvtc
 
 Peer: kvpress 0.5.5 pins ``transformers<5.3`` and cannot share this environment; it runs in its
 own virtual environment (``make kvpress-peer``, ``benchmarks/bench_kvpress.py``, run
@@ -47,6 +50,7 @@ own virtual environment (``make kvpress-peer``, ``benchmarks/bench_kvpress.py``,
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import statistics
 import sys
@@ -76,6 +80,7 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 MULTI_KEYS = 4
+KVTC_CALIBRATION = 4096  # calibration tokens of the transform coding rows' basis
 
 
 def global_nbytes(cache: Any, config: Any) -> int:
@@ -123,9 +128,14 @@ def _rounded(v):
     return [_rounded(x) for x in v] if isinstance(v, list) else v
 
 
-def kvtc_restore(codec):
-    def restore(cache):
+def kvtc_restore(codec: Any, global_shares: list[float]) -> Callable[[Any], tuple[Any, int]]:
+    """Store a prompt's cache with ``codec`` and decode it back (``compare_retrieval``'s
+    ``restored``); each call appends to ``global_shares`` the stored bytes of the coded (global)
+    layers over their fp16 bytes, the windows stored whole left out."""
+
+    def restore(cache: Any) -> tuple[Any, int]:
         data = codec.encode(cache)
+        global_shares.append(1 / codec.inspect(data).coded_compression_ratio())
         return codec.decode(data), len(data)
 
     return restore
@@ -135,17 +145,19 @@ def retrieval_columns(model, tok, config, factories, basis, fractions, column, s
     """One shared-prefill retrieval run of every cache; fills ``column`` of each row."""
     ctx = grid["context_tokens"][0]
     caches = {name: f(ctx) for name, f in factories.items()}
+    shares: dict[str, list[float]] = (
+        {f"kvtc@1/{k}": [] for k in fractions} if basis is not None else {}
+    )
     restored = {
-        f"kvtc@1/{k}": kvtc_restore(
-            cache_registry.make_cache(f"kvtc@1/{k}", config, basis=basis, tokens=ctx)
-        )
-        for k in fractions
-    } if basis is not None else {}  # fmt: skip
+        name: kvtc_restore(cache_registry.make_cache(name, config, basis=basis, tokens=ctx), share)
+        for name, share in shares.items()
+    }
     t0 = time.perf_counter()
     out = retrieval.compare_retrieval(
         model, tok, caches, restored=restored, seed=seed, progress=True, **grid
     )
     log(f"retrieval {column}: {len(out)} caches in {time.perf_counter() - t0:.0f} s")
+    hybrid = cache_registry.window_fp16_bytes(config, ctx) > 0
     rows = {}
     for name, r in out.items():
         s = r.summary()
@@ -157,6 +169,8 @@ def retrieval_columns(model, tok, config, factories, basis, fractions, column, s
             f"{column}_trials": s["trials"],
             f"{column}_fp16_fraction": frac,
         }
+        if hybrid and name in shares:  # a stored cache: what its budget is a share of
+            rows[name][f"{column}_global_fp16_fraction"] = statistics.mean(shares[name])
     return rows
 
 
@@ -183,7 +197,7 @@ def markdown_tables(run: dict) -> str:
 
     def fraction(r: dict) -> list[str]:  # bytes over fp16: at the perplexity length if live
         whole = r["fp16_fraction"] if "fp16_fraction" in r else r[f"{cols[0]}_fp16_fraction"]
-        glob = r.get("global_fp16_fraction")
+        glob = r.get("global_fp16_fraction", r.get(f"{cols[0]}_global_fp16_fraction"))
         return [f"{whole:.3f}"] + ([f"{glob:.3f}" if glob is not None else "n/a"] * hybrid)
 
     def ci(r: dict, c: str) -> str:
@@ -229,6 +243,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contexts", type=int, nargs="*", default=None, help="retrieval lengths")
     ap.add_argument("--policies", nargs="*", default=list(eviction.POLICIES))
     ap.add_argument("--no-kvtc", action="store_true", help="leave transform coding out")
+    ap.add_argument(
+        "--add-kvtc",
+        action="store_true",
+        help="add the transform coding rows to the recorded run (--model's, or --run-name)",
+    )
     ap.add_argument("--budgets", type=int, nargs="*", default=None, help="k of 1/k (2 4 8 16)")
     ap.add_argument(
         "--int4-groups",
@@ -250,8 +269,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print the Markdown tables of a recorded run of kvlib/results.json and exit",
     )
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.segments < 1:
         ap.error(f"--segments must be >= 1 (got {args.segments})")
+    if args.add_kvtc and args.no_kvtc:
+        ap.error("--add-kvtc and --no-kvtc contradict each other")
     args.tokens = args.tokens or (1024 if args.quick else 2048)
     args.budgets = tuple(args.budgets or ((4, 8) if args.quick else (2, 4, 8, 16)))
     args.int4_groups = args.int4_groups or [None]
@@ -361,10 +383,11 @@ def best_rows(
     own."""
 
     def fraction(row: dict) -> float:  # bytes over fp16: at the perplexity length if live
-        for key in ("global_fp16_fraction", "fp16_fraction"):
+        stored = f"retrieval_{first_context}"  # a stored cache's, over the retrieval prompts
+        for key in ("global_fp16_fraction", f"{stored}_global_fp16_fraction", "fp16_fraction"):
             if key in row:
                 return row[key]
-        return row[f"retrieval_{first_context}_fp16_fraction"]
+        return row[f"{stored}_fp16_fraction"]
 
     best = {}
     for k in fractions:
@@ -388,6 +411,75 @@ def best_rows(
     return best
 
 
+def fit_basis(model: Any, tok: Any, calib: str) -> pca.KVPCABasis:
+    """The per-layer PCA basis of the ``kvtc`` rows, fitted on :data:`KVTC_CALIBRATION` tokens
+    of the calibration half of the text (a hybrid model's: its global layers)."""
+    t0 = time.perf_counter()
+    basis = pca.fit_kv_pca(model, tok, calib, cross_layer=False, max_tokens=KVTC_CALIBRATION)
+    log(f"PCA basis fitted on {KVTC_CALIBRATION} calibration tokens in "
+        f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+    return basis
+
+
+def kvtc_settings() -> dict[str, int]:
+    """The ``kvtc`` rows' settings as the results file records them."""
+    sinks, recent = cache_registry.KVTC_WINDOW
+    return {"calibration_tokens": KVTC_CALIBRATION, "sinks": sinks, "recent": recent}
+
+
+def add_kvtc(args: argparse.Namespace, model: Any, tok: Any, calib: str) -> None:
+    """``--add-kvtc``: the transform coding rows of a run recorded without them, on the run's
+    own retrieval prompts (its seed, contexts and trials), added to its rows and best rows
+    with the command, machine and date that measured them.
+
+    Raises:
+        SystemExit: no such run, or it has ``kvtc`` rows already, or the reference's answers
+            differ from the recorded ones (then the prompts are not the run's).
+    """
+    t_start = time.perf_counter()
+    entry = dict(results.run(args.run_name))
+    if not entry:
+        raise SystemExit(f"no run {args.run_name!r} in the results file: run the benchmark first")
+    settings = dict(entry["settings"])
+    if settings.get("kvtc"):
+        raise SystemExit(f"run {args.run_name!r} has transform coding rows already")
+    budgets = tuple(int(b.split("/")[1]) for b in settings["budgets"])
+    contexts = tuple(settings["retrieval_contexts"])
+    basis = fit_basis(model, tok, calib)
+    reference = str(results.reference(entry))
+    rows = {n: dict(r) for n, r in entry["rows"].items()}
+    grids = retrieval_grids(
+        contexts,
+        settings["retrieval_trials_per_depth"],
+        settings["retrieval_multi_trials_per_depth"],
+    )
+    for column, grid in grids:
+        got = retrieval_columns(
+            model, tok, model.config, {reference: lambda _: None}, basis, budgets, column,
+            settings["seed"], **grid,
+        )  # fmt: skip
+        if _rounded(got[reference][column]) != rows[reference][column]:
+            raise SystemExit(
+                f"the reference answered {got[reference][column]:.2f} of {column}'s prompts, "
+                f"the run {rows[reference][column]:.2f}: these are not the run's prompts"
+            )
+        for name, cols in got.items():
+            if name != reference:
+                rows.setdefault(name, {}).update({k: _rounded(v) for k, v in cols.items()})
+    entry["rows"] = rows
+    entry["best"] = best_rows(rows, budgets, contexts[0])
+    entry["settings"] = {**settings, "kvtc": kvtc_settings()}
+    entry["kvtc_added"] = {
+        "command": " ".join(["python", "benchmarks/bench_eviction.py", *args.argv]),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(args.threads),
+        "seconds": round(time.perf_counter() - t_start),
+    }
+    print(markdown_tables(entry))
+    if not args.no_json:
+        log(f"wrote run {args.run_name!r} to {results.record_run(args.run_name, entry)}")
+
+
 def run_settings(args: argparse.Namespace, kvtc: bool, hybrid: bool) -> dict[str, Any]:
     """The run's settings as the results file records them (``seconds`` added at the end)."""
     return {
@@ -407,13 +499,7 @@ def run_settings(args: argparse.Namespace, kvtc: bool, hybrid: bool) -> dict[str
         "retrieval_multi_trials_per_depth": args.multi_trials,
         "int4_residual": cache_registry.INT_RESIDUAL,
         "int4_groups": args.int4_groups,
-        "kvtc": {
-            "calibration_tokens": 4096,
-            "sinks": cache_registry.KVTC_WINDOW[0],
-            "recent": cache_registry.KVTC_WINDOW[1],
-        }
-        if kvtc
-        else None,
+        "kvtc": kvtc_settings() if kvtc else None,
         "seed": args.seed,
         "quick": args.quick,
         "torch": torch.__version__,
@@ -434,13 +520,10 @@ def main(argv: list[str] | None = None) -> None:
     hybrid = cache_registry.window_fp16_bytes(config, tokens - 1) > 0
     calib, evaluation = kvlib.data.split_text(kvlib.data.load_eval_text(), 0.5)
     segments = text_segments(tok, evaluation, tokens, args.segments)
-    basis = None
-    if hybrid and not args.no_kvtc:
-        log("transform coding left out on a hybrid model (bench_pca.py --model measures it)")
-    if not (args.no_kvtc or hybrid):
-        t0 = time.perf_counter()
-        basis = pca.fit_kv_pca(model, tok, calib, cross_layer=False, max_tokens=4096)
-        log(f"PCA basis fitted on 4096 calibration tokens in {time.perf_counter() - t0:.0f} s")
+    if args.add_kvtc:
+        add_kvtc(args, model, tok, calib)
+        return
+    basis = None if args.no_kvtc else fit_basis(model, tok, calib)
 
     reference = cache_registry.reference_name(model.dtype)
     factories = cache_factories(

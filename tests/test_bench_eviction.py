@@ -196,3 +196,27 @@ def test_hybrid_runs_print_the_global_share_and_rank_by_it(bench):
         "1/2 quantization": "kvlib-int4",
         "1/2 eviction": "evict-h2o@1/2",
     }
+
+
+def test_a_stored_cache_on_a_hybrid_model_counts_its_global_share_from_the_prompts(bench):
+    run = _run(3)
+    run["rows"]["dynamic-fp32"]["global_fp16_fraction"] = 2.0
+    run["rows"]["kvtc@1/4"]["retrieval_1024_global_fp16_fraction"] = 0.249
+    assert "| kvtc@1/4 | n/a | n/a | 0.90 | 0.60 | 0.224 | 0.249 |" in bench.markdown_tables(run)
+    stored = {
+        "retrieval_1024": 0.9,
+        "retrieval_1024_fp16_fraction": 0.6,  # the windows: over 1/4 of the whole
+        "retrieval_1024_global_fp16_fraction": 0.249,
+    }
+    assert bench.best_rows({"kvtc@1/4": stored}, (4,), 1024) == {"1/4 transform coding": "kvtc@1/4"}
+    stored["retrieval_1024_global_fp16_fraction"] = 0.3  # over its budget: not counted
+    assert bench.best_rows({"kvtc@1/4": stored}, (4,), 1024) == {}
+
+
+def test_add_kvtc_refuses_a_run_that_has_its_rows_or_none(bench):
+    with pytest.raises(SystemExit, match="already"):  # SmolLM2's run was measured with them
+        bench.add_kvtc(bench.parse_args(["--add-kvtc"]), None, None, "")
+    with pytest.raises(SystemExit, match="no run"):
+        bench.add_kvtc(bench.parse_args(["--add-kvtc", "--run-name", "nothing"]), None, None, "")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--add-kvtc", "--no-kvtc"])
