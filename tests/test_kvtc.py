@@ -19,7 +19,6 @@ import kvlib
 from kvlib import compat, rope
 from kvlib.eval import quality
 from kvlib.kvtc import codec as kvtc
-from kvlib.kvtc import codec as kvtc_format
 from kvlib.kvtc import pca
 
 
@@ -276,7 +275,7 @@ def test_version_1_bytes_still_decode() -> None:
     codec = kvtc.KVTCCodec(basis, compression=4.0, recent_tokens=4)
     cache = compat.dynamic_cache_from(correlated_layers(1, 40, seed=1))
     data = codec.encode(cache)
-    header, sections = kvtc_format._unpack(data)
+    header, sections = kvtc._unpack(data)
     for key in ("layer_tokens", "windows", "coded_layers"):
         del header[key]
     header["raw"], header["sections"] = header["raw"][:3], header["sections"][:3]
