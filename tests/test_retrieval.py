@@ -196,6 +196,38 @@ def test_one_shared_prefill_answers_as_generate_does(model, tokenizer):
     assert len(outputs) > 1 or all(r["correct"] for r in shared["dynamic"].records)
 
 
+def test_stored_caches_answer_from_what_their_restore_gives(model, tokenizer):
+    """A ``restored`` entry (storage between turns) runs beside the live caches: it gets the
+    prompt's cache, its answers are decoded from what it returns, in order, and an error it
+    raises reaches the caller unchanged."""
+    from kvlib import compat
+
+    calls = []
+
+    def exact(cache):
+        calls.append(cache.get_seq_length())
+        return cache, compat.cache_nbytes(cache)
+
+    def emptied(cache):  # forgets the prompt: the answer cannot be the key
+        return compat.dynamic_cache(model.config), 0
+
+    grid = {"context_tokens": (200,), "depths": (0.3, 0.8), "trials": 1, "seed": 4}
+    out = retrieval.compare_retrieval(
+        model, tokenizer, {"dynamic": None}, restored={"exact": exact, "empty": emptied}, **grid
+    )
+    assert list(out) == ["dynamic", "exact", "empty"]
+    assert out["exact"].records == out["dynamic"].records and len(calls) == 2
+    assert calls[0] == out["dynamic"].records[0]["prompt_tokens"]
+    assert [r["nbytes"] for r in out["empty"].records] == [0, 0]
+    assert not any(r["correct"] for r in out["empty"].records)
+
+    def broken(cache):
+        raise ValueError("stored cache is corrupted")
+
+    with pytest.raises(ValueError, match="stored cache is corrupted"):
+        retrieval.compare_retrieval(model, tokenizer, {}, restored={"broken": broken}, **grid)
+
+
 def test_compare_refuses_a_cache_that_changes_the_prefill(model, tokenizer):
     from transformers.cache_utils import DynamicCache
 
