@@ -11,8 +11,8 @@ This script (in the project's environment) builds seeded pass-key prompts
 safetensors copy to ``.venv-kvpress/bin/python benchmarks/bench_kvpress.py --peer``, and runs
 kvlib's policies on the same ids. For kvpress's ``StreamingLLMPress``, ``SnapKVPress``,
 ``KnormPress`` and ``TOVAPress`` and kvlib's ``streaming``, ``snapkv``, ``knorm`` and ``tova``
-at the same number of kept tokens (``int(n * (1 - compression_ratio))`` per layer and KV head, all of the prompt prefilled
-in one pass, as kvlib's retrieval task does), it compares
+at the same number of kept tokens (``int(n * (1 - compression_ratio))`` per layer and KV head,
+all of the prompt prefilled in one pass, as kvlib's retrieval task does), it compares
 
 * which tokens are kept: per layer and KV head, the overlap ``|A ∩ B| / |A|`` of the kept
   positions (kvpress's are found by matching its kept key rows to the full prefill's);
